@@ -1,0 +1,92 @@
+/// \file common.hpp
+/// \brief Shared helpers of the effattn benchmarks.
+#pragma once
+
+#include <benchmark/benchmark.h>
+
+#include <map>
+#include <memory>
+#include <string>
+#include <tuple>
+
+#include <effattn/exact.hpp>
+#include <effattn/workloads.hpp>
+
+#if defined(_OPENMP)
+#include <omp.h>
+#endif
+
+namespace effattn {
+namespace bench {
+
+/// A workload cached by (kind, n, m, d, dv): large inputs are generated once per process.
+template <typename Scalar>
+const workloads::Workload<Scalar>& cached_workload(workloads::Kind kind, Index n, Index m, Index d,
+                                                   Index dv, std::uint64_t seed = 1) {
+  using Key = std::tuple<int, Index, Index, Index, Index, std::uint64_t>;
+  static std::map<Key, std::unique_ptr<workloads::Workload<Scalar>>> cache;
+  auto& slot = cache[Key(static_cast<int>(kind), n, m, d, dv, seed)];
+  if (!slot) {
+    workloads::Params p;
+    p.n = n;
+    p.m = m;
+    p.d = d;
+    p.dv = dv;
+    p.seed = seed;
+    slot = std::make_unique<workloads::Workload<Scalar>>(workloads::make<Scalar>(kind, p));
+  }
+  return *slot;
+}
+
+/// OpenMP's thread count when the process started (call once early in main).
+inline int default_threads() {
+#if defined(_OPENMP)
+  static const int t = omp_get_max_threads();
+  return t;
+#else
+  return 1;
+#endif
+}
+
+/// Sets the OpenMP thread count used by effattn and Eigen (0 = the process default).
+/// Returns the count now in effect.
+inline int set_threads(int threads) {
+#if defined(_OPENMP)
+  omp_set_num_threads(threads > 0 ? threads : default_threads());
+  Eigen::setNbThreads(omp_get_max_threads());
+  return omp_get_max_threads();
+#else
+  (void)threads;
+  return 1;
+#endif
+}
+
+/// Relative Frobenius error of `approx` rows [row0, row0 + rows) against exact attention in
+/// double (Naive) on those rows only, so the check stays cheap at large n.
+template <typename Scalar>
+double sampled_rel_error(const Matrix<Scalar>& Q, const Matrix<Scalar>& K, const Matrix<Scalar>& V,
+                         const Matrix<Scalar>& approx, Index row0, Index rows, bool causal) {
+  // Causal alignment is bottom-right, so a bottom block of queries keeps its offsets; any other
+  // block is shifted by passing only the keys it may see.
+  const Index n = Q.rows(), m = K.rows();
+  const Index m_vis = causal ? row0 + rows + (m - n) : m;
+  ExactOptions o;
+  o.causal = causal;
+  const Matrix<double> Qd = Q.middleRows(row0, rows).template cast<double>();
+  const Matrix<double> Kd = K.topRows(m_vis).template cast<double>();
+  const Matrix<double> Vd = V.topRows(m_vis).template cast<double>();
+  const Matrix<double> ref = ExactAttention<double, policy::Naive>(o)(Qd, Kd, Vd);
+  const Matrix<double> got = approx.middleRows(row0, rows).template cast<double>();
+  return (got - ref).norm() / ref.norm();
+}
+
+/// Effective GFLOP/s counter for attention: 4 n m d per iteration (dense-equivalent, also for
+/// causal and approximate methods, so rates compare as speed-ups).
+inline benchmark::Counter attention_gflops(Index n, Index m, Index d, Index dv) {
+  const double flops =
+      2.0 * static_cast<double>(n) * static_cast<double>(m) * static_cast<double>(d + dv);
+  return benchmark::Counter(flops * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
+}
+
+}  // namespace bench
+}  // namespace effattn

@@ -1,0 +1,38 @@
+/// \file config.hpp
+/// \brief Every macro a user may set, in one place.
+///
+/// Macros the user may define before including any effattn header:
+/// - `EFFATTN_USE_FFTW`: use FFTW for the FFT backends (the CMake target defines it when
+///   `EFFATTN_WITH_FFTW=ON` and FFTW was found). Binaries then fall under FFTW's GPL terms.
+/// - `EFFATTN_DONT_PARALLELIZE`: never open OpenMP regions inside effattn, even when compiled
+///   with `-fopenmp` (mirrors `EIGEN_DONT_PARALLELIZE`).
+/// - `EFFATTN_NO_DEBUG`: compile out `EFFATTN_ASSERT` (implied by `NDEBUG`).
+/// - `EFFATTN_ASSERT(cond)`: may be predefined to route internal-invariant failures elsewhere.
+///
+/// Macros effattn defines for its own use: `EFFATTN_HAS_OPENMP` (0 or 1), `EFFATTN_LIKELY`,
+/// `EFFATTN_UNLIKELY`, `EFFATTN_COLD`, `EFFATTN_NOINLINE`.
+#pragma once
+
+#include "version.hpp"
+
+#if defined(_OPENMP) && !defined(EFFATTN_DONT_PARALLELIZE)
+#define EFFATTN_HAS_OPENMP 1
+#else
+#define EFFATTN_HAS_OPENMP 0
+#endif
+
+#if defined(__GNUC__) || defined(__clang__)
+#define EFFATTN_LIKELY(x) __builtin_expect(!!(x), 1)
+#define EFFATTN_UNLIKELY(x) __builtin_expect(!!(x), 0)
+#define EFFATTN_COLD __attribute__((cold))
+#define EFFATTN_NOINLINE __attribute__((noinline))
+#else
+#define EFFATTN_LIKELY(x) (x)
+#define EFFATTN_UNLIKELY(x) (x)
+#define EFFATTN_COLD
+#define EFFATTN_NOINLINE
+#endif
+
+#if defined(NDEBUG) && !defined(EFFATTN_NO_DEBUG)
+#define EFFATTN_NO_DEBUG
+#endif

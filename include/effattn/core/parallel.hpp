@@ -1,0 +1,76 @@
+/// \file parallel.hpp
+/// \brief The one place effattn opens OpenMP regions.
+///
+/// effattn parallelises only over independent units of work (query blocks, heads, bins, FFT
+/// columns) whose decomposition depends on the problem shape and the options, never on the thread
+/// count, so results are bit-identical for any number of threads. Inside an effattn parallel
+/// region Eigen's own GEMM runs single-threaded (Eigen refuses to nest), so there is no
+/// oversubscription. Compile with `-fopenmp` to enable; define `EFFATTN_DONT_PARALLELIZE` to
+/// disable. The thread count is OpenMP's (`OMP_NUM_THREADS`, `omp_set_num_threads`).
+#pragma once
+
+#include <exception>
+#include <mutex>
+#include <utility>
+
+#include "types.hpp"
+
+#if EFFATTN_HAS_OPENMP
+#include <omp.h>
+#endif
+
+namespace effattn {
+
+/// Number of threads effattn's parallel loops use at this point (1 without OpenMP).
+inline int max_threads() noexcept {
+#if EFFATTN_HAS_OPENMP
+  return omp_get_max_threads();
+#else
+  return 1;
+#endif
+}
+
+namespace detail {
+
+/// Runs `body(task, workspace)` for every task in [0, count). Each thread builds one workspace
+/// with `make_workspace()` and reuses it for all the tasks it runs (dynamic schedule, chunk 1).
+/// The first exception thrown by any task is rethrown after the region ends.
+template <typename MakeWorkspace, typename Body>
+void parallel_for(Index count, MakeWorkspace&& make_workspace, Body&& body) {
+  if (count <= 0) return;
+  std::exception_ptr error;
+#if EFFATTN_HAS_OPENMP
+  std::mutex error_mutex;
+  // The region is opened even for a single task: inside it Eigen's GEMM is always serial, so
+  // every task computes bit-identical results whatever the thread count.
+#pragma omp parallel
+  {
+    try {
+      auto workspace = make_workspace();
+#pragma omp for schedule(dynamic, 1)
+      for (Index t = 0; t < count; ++t) {
+        try {
+          body(t, workspace);
+        } catch (...) {
+          std::lock_guard<std::mutex> lock(error_mutex);
+          if (!error) error = std::current_exception();
+        }
+      }
+    } catch (...) {
+      std::lock_guard<std::mutex> lock(error_mutex);
+      if (!error) error = std::current_exception();
+    }
+  }
+#else
+  try {
+    auto workspace = make_workspace();
+    for (Index t = 0; t < count; ++t) body(t, workspace);
+  } catch (...) {
+    error = std::current_exception();
+  }
+#endif
+  if (error) std::rethrow_exception(error);
+}
+
+}  // namespace detail
+}  // namespace effattn

@@ -1,0 +1,88 @@
+/// \file softmax.hpp
+/// \brief Numerically stable softmax and log-sum-exp (max subtraction, double accumulation).
+///
+/// Conventions: logits equal to -inf are masked entries (probability 0). A row whose entries are
+/// all -inf has no defined softmax: these helpers leave it as all zeros with log-sum-exp -inf,
+/// and callers that can meet such rows must decide what that means (exact attention rejects
+/// them up front). Sums are accumulated in double even when the scalar is float.
+#pragma once
+
+#include <cmath>
+#include <limits>
+
+#include "types.hpp"
+
+namespace effattn {
+
+/// log(sum_i exp(x_i)) of a vector or array, computed as max + log(sum exp(x - max)) with the sum
+/// in double. Returns -inf for an empty input or when every entry is -inf; +inf if any is +inf;
+/// NaN if any is NaN.
+template <typename Derived>
+double logsumexp(const Eigen::DenseBase<Derived>& x) {
+  constexpr double ninf = -std::numeric_limits<double>::infinity();
+  if (x.size() == 0) return ninf;
+  const auto xd = x.derived().template cast<double>().eval();
+  const double mx = xd.maxCoeff();
+  if (std::isnan(mx) || xd.hasNaN()) return std::numeric_limits<double>::quiet_NaN();
+  if (mx == ninf || mx == -ninf) return mx;
+  return mx + std::log((xd.array() - mx).exp().sum());
+}
+
+/// Row-wise maximum of a (column-major) matrix, computed column by column so it vectorises.
+template <typename Derived>
+Vector<typename Derived::Scalar> row_max(const Eigen::MatrixBase<Derived>& S) {
+  using Scalar = typename Derived::Scalar;
+  Vector<Scalar> mx = Vector<Scalar>::Constant(S.rows(), -std::numeric_limits<Scalar>::infinity());
+  for (Index j = 0; j < S.cols(); ++j) mx = mx.cwiseMax(S.col(j));
+  return mx;
+}
+
+/// Log-sum-exp of every row of `S` (n values), max-subtracted, accumulated in double.
+template <typename Derived>
+Vector<typename Derived::Scalar> row_logsumexp(const Eigen::MatrixBase<Derived>& S) {
+  using Scalar = typename Derived::Scalar;
+  const Vector<Scalar> mx = row_max(S);
+  // Rows whose max is -inf (all masked) would produce exp(-inf - -inf) = NaN: shift by 0 there.
+  const Vector<Scalar> shift = mx.array().isFinite().select(mx, Vector<Scalar>::Zero(S.rows()));
+  Eigen::Array<double, Eigen::Dynamic, 1> sum =
+      Eigen::Array<double, Eigen::Dynamic, 1>::Zero(S.rows());
+  for (Index j = 0; j < S.cols(); ++j)
+    sum += (S.col(j) - shift).array().exp().template cast<double>();
+  Vector<Scalar> lse(S.rows());
+  for (Index i = 0; i < S.rows(); ++i)
+    lse(i) = static_cast<Scalar>(static_cast<double>(shift(i)) + std::log(sum(i)));
+  return lse;
+}
+
+/// Replaces every row of `S` by its softmax, in place. Returns the row log-sum-exp values.
+/// Rows that are entirely -inf become all zeros (their log-sum-exp is -inf).
+template <typename Derived>
+Vector<typename Derived::Scalar> row_softmax_inplace(Eigen::MatrixBase<Derived>& S) {
+  using Scalar = typename Derived::Scalar;
+  const Index n = S.rows();
+  const Vector<Scalar> mx = row_max(S);
+  const Vector<Scalar> shift = mx.array().isFinite().select(mx, Vector<Scalar>::Zero(n));
+  Eigen::Array<double, Eigen::Dynamic, 1> sum = Eigen::Array<double, Eigen::Dynamic, 1>::Zero(n);
+  for (Index j = 0; j < S.cols(); ++j) {
+    S.col(j) = (S.col(j) - shift).array().exp().matrix();
+    sum += S.col(j).array().template cast<double>();
+  }
+  Vector<Scalar> lse(n);
+  Eigen::Array<Scalar, Eigen::Dynamic, 1> inv(n);
+  for (Index i = 0; i < n; ++i) {
+    lse(i) = static_cast<Scalar>(static_cast<double>(shift(i)) + std::log(sum(i)));
+    inv(i) = sum(i) > 0 ? static_cast<Scalar>(1.0 / sum(i)) : Scalar(0);
+  }
+  for (Index j = 0; j < S.cols(); ++j) S.col(j).array() *= inv;
+  return lse;
+}
+
+/// Row softmax of `S` as a new matrix.
+template <typename Derived>
+Matrix<typename Derived::Scalar> row_softmax(const Eigen::MatrixBase<Derived>& S) {
+  Matrix<typename Derived::Scalar> P = S;
+  row_softmax_inplace(P);
+  return P;
+}
+
+}  // namespace effattn

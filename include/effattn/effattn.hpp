@@ -1,0 +1,19 @@
+/// \file effattn.hpp
+/// \brief Umbrella header: every public effattn header.
+///
+/// \mainpage effattn
+/// Header-only C++17 library of exact and approximate softmax attention on Eigen.
+/// Public headers: `exact.hpp` (ExactAttention), `workloads.hpp` (synthetic problems) and the
+/// shared utilities under `core/`. See README.md for the method table and examples.
+#pragma once
+
+#include "config.hpp"
+#include "core/checks.hpp"
+#include "core/errors.hpp"
+#include "core/parallel.hpp"
+#include "core/random.hpp"
+#include "core/softmax.hpp"
+#include "core/types.hpp"
+#include "exact.hpp"
+#include "version.hpp"
+#include "workloads.hpp"

@@ -1,0 +1,142 @@
+/// \file conformance.hpp
+/// \brief The generic property suite every attention method runs against exact attention.
+///
+/// Usage (one TEMPLATE_TEST_CASE over float and double per method):
+/// \code{.cpp}
+/// TEMPLATE_TEST_CASE("MyMethod conforms", "[conformance][mymethod]", float, double) {
+///   effattn::testing::ConformanceConfig cfg;
+///   cfg.name = "MyMethod";
+///   cfg.tolerance = [](workloads::Kind k) { return k == workloads::Kind::Gaussian ? 0.3 : 0.1; };
+///   effattn::testing::check_conformance<TestType>(
+///       cfg, [](const auto& Q, const auto& K, const auto& V) {
+///         MyMethod<TestType>::Options o; o.seed = 7;
+///         return MyMethod<TestType>(o).compute(Q, K, V);
+///       });
+/// }
+/// \endcode
+///
+/// For every workload kind and every shape in the config it checks:
+///  1. `info == Success`, output shape n x dv, all entries finite;
+///  2. determinism: two calls give bit-identical output, and so do 1 and 2 OpenMP threads;
+///  3. accuracy: relative Frobenius error against `ExactAttention<double, policy::Naive>` (on the
+///     same inputs, promoted to double; causal when `cfg.causal`) is <= `cfg.tolerance(kind)`
+///     (a negative tolerance skips the check for that kind);
+///  4. the measured errors are printed when the environment variable EFFATTN_TEST_VERBOSE is set.
+#pragma once
+
+#include <cstdlib>
+#include <functional>
+#include <iostream>
+#include <string>
+#include <vector>
+
+#include <effattn/exact.hpp>
+#include <effattn/workloads.hpp>
+
+#include "test_utils.hpp"
+
+namespace effattn {
+namespace testing {
+
+/// One problem shape of the conformance suite.
+struct ConformanceShape {
+  Index n, m, d, dv;
+};
+
+/// What to run and how strictly.
+struct ConformanceConfig {
+  std::string name = "method";
+  /// Shapes to test; the default covers self-attention, cross-attention (n != m, dv != d) and
+  /// sizes that are not multiples of any block size.
+  std::vector<ConformanceShape> shapes = {{256, 256, 32, 32}, {97, 300, 16, 24}};
+  /// Compare against causal exact attention.
+  bool causal = false;
+  /// Maximum relative Frobenius error per workload kind (< 0 skips the accuracy check).
+  std::function<double(workloads::Kind)> tolerance = [](workloads::Kind) { return 1e-5; };
+  /// Seed of the generated workloads.
+  std::uint64_t workload_seed = 2024;
+  /// Check bit-identical output for 1 vs 2 OpenMP threads.
+  bool check_thread_determinism = true;
+};
+
+/// Measurements of one (shape, workload) case.
+struct ConformanceEntry {
+  ConformanceShape shape{};
+  workloads::Kind kind = workloads::Kind::Gaussian;
+  Info info = Info::NotComputed;
+  bool shape_ok = false;         ///< output is n x dv
+  bool finite = false;           ///< every output entry is finite
+  bool repeatable = false;       ///< two calls are bit-identical
+  bool thread_invariant = true;  ///< 1 and 2 threads are bit-identical (true when not checked)
+  double rel_fro_error = -1;     ///< vs exact attention; -1 when not measured
+  double tolerance = -1;         ///< the bound it is held to; < 0 when not checked
+};
+
+/// Runs every case and returns the measurements without asserting anything (so the suite itself
+/// can be tested). `run(Q, K, V)` must return a Result deriving from `AttentionResult<Scalar>`.
+template <typename Scalar, typename Run>
+std::vector<ConformanceEntry> conformance_report(const ConformanceConfig& cfg, Run&& run) {
+  std::vector<ConformanceEntry> report;
+  for (const auto& shape : cfg.shapes) {
+    for (const workloads::Kind kind : workloads::all_kinds()) {
+      workloads::Params p;
+      p.n = shape.n;
+      p.m = shape.m;
+      p.d = shape.d;
+      p.dv = shape.dv;
+      p.seed = cfg.workload_seed;
+      const auto w = workloads::make<Scalar>(kind, p);
+      ConformanceEntry e;
+      e.shape = shape;
+      e.kind = kind;
+      const auto r1 = run(w.Q, w.K, w.V);
+      e.info = r1.info;
+      e.shape_ok = r1.output.rows() == shape.n && r1.output.cols() == shape.dv;
+      e.finite = r1.output.allFinite();
+      e.repeatable = bitwise_equal(r1.output, run(w.Q, w.K, w.V).output);
+      if (cfg.check_thread_determinism && has_openmp()) {
+        const auto t1 = with_threads(1, [&] { return run(w.Q, w.K, w.V); });
+        const auto t2 = with_threads(2, [&] { return run(w.Q, w.K, w.V); });
+        e.thread_invariant =
+            bitwise_equal(t1.output, t2.output) && bitwise_equal(t1.output, r1.output);
+      }
+      e.tolerance = cfg.tolerance(kind);
+      if (e.tolerance >= 0 && e.shape_ok) {
+        ExactOptions eo;
+        eo.causal = cfg.causal;
+        const Matrix<double> Qd = w.Q.template cast<double>(), Kd = w.K.template cast<double>(),
+                             Vd = w.V.template cast<double>();
+        const Matrix<double> ref = ExactAttention<double, policy::Naive>(eo)(Qd, Kd, Vd);
+        e.rel_fro_error = rel_fro_error(r1.output, ref);
+      }
+      report.push_back(e);
+    }
+  }
+  return report;
+}
+
+/// Runs the suite and asserts every property with Catch2.
+template <typename Scalar, typename Run>
+void check_conformance(const ConformanceConfig& cfg, Run&& run) {
+  const bool verbose = std::getenv("EFFATTN_TEST_VERBOSE") != nullptr;
+  for (const ConformanceEntry& e : conformance_report<Scalar>(cfg, run)) {
+    INFO(cfg.name << " on " << workloads::name(e.kind) << ", n=" << e.shape.n << " m=" << e.shape.m
+                  << " d=" << e.shape.d << " dv=" << e.shape.dv << " causal=" << cfg.causal
+                  << " scalar=" << (sizeof(Scalar) == 4 ? "float" : "double")
+                  << " rel_fro_error=" << e.rel_fro_error << " tol=" << e.tolerance);
+    if (verbose)
+      std::cout << "[conformance] " << cfg.name << " " << workloads::name(e.kind)
+                << " n=" << e.shape.n << " m=" << e.shape.m << " "
+                << (sizeof(Scalar) == 4 ? "f" : "d") << " rel_fro_err=" << e.rel_fro_error
+                << " tol=" << e.tolerance << "\n";
+    CHECK(e.info == Info::Success);
+    CHECK(e.shape_ok);
+    CHECK(e.finite);
+    CHECK(e.repeatable);
+    CHECK(e.thread_invariant);
+    if (e.tolerance >= 0) CHECK(e.rel_fro_error <= e.tolerance);
+  }
+}
+
+}  // namespace testing
+}  // namespace effattn

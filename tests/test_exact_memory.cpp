@@ -1,0 +1,146 @@
+// Heap accounting for the Tiled kernel: peak extra memory at n = m = 16384, no n x m allocation,
+// and a number of allocations that does not grow with the number of tiles.
+//
+// This executable replaces glibc's malloc family with thin wrappers around the __libc_*
+// implementations that count bytes while tracking is on. Eigen allocates through malloc, and
+// operator new does too, so every heap byte of a computation is seen. Linux/glibc only, and not
+// usable under sanitizers (CMake option EFFATTN_TEST_MEMORY).
+#include "test_utils.hpp"
+
+#include <malloc.h>
+
+#include <atomic>
+#include <cstddef>
+
+#include <effattn/exact.hpp>
+#include <effattn/workloads.hpp>
+
+extern "C" {
+void* __libc_malloc(std::size_t);
+void __libc_free(void*);
+void* __libc_calloc(std::size_t, std::size_t);
+void* __libc_realloc(void*, std::size_t);
+void* __libc_memalign(std::size_t, std::size_t);
+}
+
+namespace {
+std::atomic<bool> g_tracking{false};
+std::atomic<long long> g_live{0}, g_peak{0}, g_largest{0}, g_count{0};
+
+void on_alloc(void* p) {
+  if (p == nullptr || !g_tracking.load(std::memory_order_relaxed)) return;
+  const auto sz = static_cast<long long>(malloc_usable_size(p));
+  const long long live = g_live.fetch_add(sz) + sz;
+  long long peak = g_peak.load();
+  while (live > peak && !g_peak.compare_exchange_weak(peak, live)) {
+  }
+  long long largest = g_largest.load();
+  while (sz > largest && !g_largest.compare_exchange_weak(largest, sz)) {
+  }
+  g_count.fetch_add(1);
+}
+void on_free(void* p) {
+  if (p == nullptr || !g_tracking.load(std::memory_order_relaxed)) return;
+  g_live.fetch_sub(static_cast<long long>(malloc_usable_size(p)));
+}
+
+struct Stats {
+  long long peak, largest, count;
+};
+
+// Runs f with tracking on; returns the peak of (bytes live - bytes live at start).
+template <typename F>
+Stats track(F&& f) {
+  g_live = 0;
+  g_peak = 0;
+  g_largest = 0;
+  g_count = 0;
+  g_tracking = true;
+  f();
+  g_tracking = false;
+  return {g_peak.load(), g_largest.load(), g_count.load()};
+}
+}  // namespace
+
+extern "C" {
+void* malloc(std::size_t n) {
+  void* p = __libc_malloc(n);
+  on_alloc(p);
+  return p;
+}
+void free(void* p) {
+  on_free(p);
+  __libc_free(p);
+}
+void* calloc(std::size_t a, std::size_t b) {
+  void* p = __libc_calloc(a, b);
+  on_alloc(p);
+  return p;
+}
+void* realloc(void* old, std::size_t n) {
+  on_free(old);
+  void* p = __libc_realloc(old, n);
+  on_alloc(p);
+  return p;
+}
+void* memalign(std::size_t align, std::size_t n) {
+  void* p = __libc_memalign(align, n);
+  on_alloc(p);
+  return p;
+}
+void* aligned_alloc(std::size_t align, std::size_t n) {
+  return memalign(align, n);
+}
+int posix_memalign(void** out, std::size_t align, std::size_t n) {
+  void* p = memalign(align, n);
+  if (p == nullptr) return 12;  // ENOMEM
+  *out = p;
+  return 0;
+}
+}
+
+using namespace effattn;
+
+TEST_CASE("The accounting sees Eigen allocations", "[exact][memory]") {
+  // Guards the test itself: a 1000 x 1000 double matrix must be counted (8 MB).
+  const Stats s = track([] {
+    Matrix<double> big(1000, 1000);
+    big.setZero();
+    REQUIRE(big(0, 0) == 0.0);
+  });
+  CHECK(s.largest >= 8'000'000);
+  CHECK(s.peak >= 8'000'000);
+}
+
+TEST_CASE("Tiled at n = m = 16384 stays under 64 MiB beyond the inputs", "[exact][memory][slow]") {
+  const Index n = 16384, d = 64;
+  const auto w = workloads::make<float>(workloads::Kind::Gaussian, n, d, 1);
+  const ExactAttentionf f;
+  (void)f.compute(w.Q.topRows(256), w.K.topRows(256), w.V.topRows(256));  // warm up OpenMP
+  ExactResult<float> r;
+  const Stats s = track([&] { r = f.compute(w.Q, w.K, w.V); });
+  REQUIRE(r.info == Info::Success);
+  const long long scores_bytes =
+      static_cast<long long>(n) * n * static_cast<long long>(sizeof(float));
+  INFO("peak extra heap " << s.peak << " B, largest block " << s.largest << " B, " << s.count
+                          << " allocations; n x m float scores would be " << scores_bytes << " B");
+  CHECK(s.peak < 64LL * 1024 * 1024);
+  // Nothing close to n x m: the largest block is the n x dv output (4 MiB).
+  CHECK(s.largest < scores_bytes / 64);
+  CHECK(s.largest >= static_cast<long long>(n * d * 4));
+}
+
+TEST_CASE("The number of allocations does not grow with the number of tiles", "[exact][memory]") {
+  const ExactAttentionf f;
+  auto count_for = [&](Index n) {
+    const auto w = workloads::make<float>(workloads::Kind::Gaussian, n, 64, 2);
+    (void)f.compute(w.Q, w.K, w.V);  // warm-up (thread pool, lazily initialised state)
+    return track([&] { (void)f.compute(w.Q, w.K, w.V); }).count;
+  };
+  const long long small = count_for(2048);  // 16 x 8 tiles
+  const long long large = count_for(8192);  // 64 x 32 tiles: 16x more GEMM pairs
+  INFO("allocations: " << small << " at n = 2048, " << large << " at n = 8192");
+  // Allocations are per call and per thread (workspace, output), never per tile.
+  CHECK(large <= small + 4);
+  CHECK(large < 64);
+}

@@ -1,0 +1,24 @@
+// Explicit instantiation of every public class template for float and double, so that members
+// no other test calls still compile (Sophus's cheapest guard for header-only templates).
+#include "test_utils.hpp"
+
+#include <effattn/effattn.hpp>
+
+template class effattn::ExactAttention<float, effattn::policy::Tiled>;
+template class effattn::ExactAttention<double, effattn::policy::Tiled>;
+template class effattn::ExactAttention<float, effattn::policy::Naive>;
+template class effattn::ExactAttention<double, effattn::policy::Naive>;
+template struct effattn::ExactResult<float>;
+template struct effattn::ExactResult<double>;
+template struct effattn::workloads::Workload<float>;
+template struct effattn::workloads::Workload<double>;
+
+TEST_CASE("Every public class template instantiates for float and double", "[instantiate]") {
+  // The umbrella header compiled and the explicit instantiations above linked; check that the
+  // aliases name the intended types.
+  STATIC_REQUIRE(std::is_same<effattn::ExactAttentionf, effattn::ExactAttention<float>>::value);
+  STATIC_REQUIRE(std::is_same<effattn::ExactAttentiond, effattn::ExactAttention<double>>::value);
+  STATIC_REQUIRE(std::is_same<effattn::ExactAttentionf::Options, effattn::ExactOptions>::value);
+  STATIC_REQUIRE(EFFATTN_VERSION == ((EFFATTN_VERSION_MAJOR << 16) | (EFFATTN_VERSION_MINOR << 8) |
+                                     EFFATTN_VERSION_PATCH));
+}

@@ -1,0 +1,119 @@
+/// \file test_utils.hpp
+/// \brief Shared helpers of the effattn tests. All Catch2-version-specific includes live here.
+#pragma once
+
+#include <catch2/catch.hpp>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include <effattn/core/types.hpp>
+
+#if defined(_OPENMP)
+#include <omp.h>
+#endif
+
+namespace effattn {
+namespace testing {
+
+/// ||A - B||_F / ||B||_F, in double.
+template <typename DA, typename DB>
+double rel_fro_error(const Eigen::MatrixBase<DA>& A, const Eigen::MatrixBase<DB>& B) {
+  const auto a = A.template cast<double>().eval();
+  const auto b = B.template cast<double>().eval();
+  const double nb = b.norm();
+  return nb > 0 ? (a - b).norm() / nb : (a - b).norm();
+}
+
+/// max |A - B|, in double.
+template <typename DA, typename DB>
+double max_abs_error(const Eigen::MatrixBase<DA>& A, const Eigen::MatrixBase<DB>& B) {
+  return (A.template cast<double>() - B.template cast<double>()).cwiseAbs().maxCoeff();
+}
+
+/// True when the two matrices have the same shape and identical bits.
+template <typename DA, typename DB>
+bool bitwise_equal(const Eigen::MatrixBase<DA>& A, const Eigen::MatrixBase<DB>& B) {
+  if (A.rows() != B.rows() || A.cols() != B.cols()) return false;
+  for (Index j = 0; j < A.cols(); ++j)
+    for (Index i = 0; i < A.rows(); ++i) {
+      const auto a = A(i, j), b = B(i, j);
+      if (std::memcmp(&a, &b, sizeof(a)) != 0) return false;
+    }
+  return true;
+}
+
+/// Independent oracle: softmax attention by plain loops in long double (no Eigen products, no
+/// effattn code). Optional per-key bias; causal is bottom-right aligned (j <= i + m - n).
+template <typename DQ, typename DK, typename DV>
+Matrix<double> loop_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
+                              const Eigen::MatrixBase<DV>& V, double scale, bool causal,
+                              const std::vector<double>& bias = {},
+                              std::vector<double>* lse = nullptr) {
+  const Index n = Q.rows(), m = K.rows(), d = Q.cols(), dv = V.cols();
+  Matrix<double> out(n, dv);
+  if (lse) lse->assign(static_cast<std::size_t>(n), 0.0);
+  std::vector<long double> logit(static_cast<std::size_t>(m));
+  for (Index i = 0; i < n; ++i) {
+    const Index last = causal ? i + (m - n) : m - 1;
+    long double mx = -std::numeric_limits<long double>::infinity();
+    for (Index j = 0; j <= last; ++j) {
+      long double dot = 0;
+      for (Index k = 0; k < d; ++k)
+        dot += static_cast<long double>(Q(i, k)) * static_cast<long double>(K(j, k));
+      long double z = static_cast<long double>(scale) * dot;
+      if (!bias.empty()) z += static_cast<long double>(bias[static_cast<std::size_t>(j)]);
+      logit[static_cast<std::size_t>(j)] = z;
+      if (z > mx) mx = z;
+    }
+    long double total = 0;
+    for (Index j = 0; j <= last; ++j) total += std::exp(logit[static_cast<std::size_t>(j)] - mx);
+    for (Index c = 0; c < dv; ++c) {
+      long double acc = 0;
+      for (Index j = 0; j <= last; ++j)
+        acc +=
+            std::exp(logit[static_cast<std::size_t>(j)] - mx) * static_cast<long double>(V(j, c));
+      out(i, c) = static_cast<double>(acc / total);
+    }
+    if (lse) (*lse)[static_cast<std::size_t>(i)] = static_cast<double>(mx + std::log(total));
+  }
+  return out;
+}
+
+/// Round-off scale of a scalar type: the tolerance tests multiply by a problem-dependent factor.
+template <typename Scalar>
+constexpr double eps() {
+  return static_cast<double>(std::numeric_limits<Scalar>::epsilon());
+}
+
+/// Runs `f` with OpenMP limited to `threads` threads (a no-op without OpenMP), restoring after.
+template <typename F>
+auto with_threads(int threads, F&& f) -> decltype(f()) {
+#if defined(_OPENMP)
+  const int saved = omp_get_max_threads();
+  omp_set_num_threads(threads);
+  struct Restore {
+    int n;
+    ~Restore() { omp_set_num_threads(n); }
+  } restore{saved};
+#else
+  (void)threads;
+#endif
+  return f();
+}
+
+/// Whether this test binary was built with OpenMP (thread-count tests are vacuous otherwise).
+constexpr bool has_openmp() {
+#if defined(_OPENMP)
+  return true;
+#else
+  return false;
+#endif
+}
+
+}  // namespace testing
+}  // namespace effattn
