@@ -355,3 +355,41 @@ TEMPLATE_TEST_CASE("Bad inputs throw invalid_argument naming the argument", "[ex
   b.head(2).setConstant(-std::numeric_limits<Scalar>::infinity());
   throws_with([&] { (void)ExactAttention<Scalar>(causal).compute(Q, K, V, b); }, "masks every key");
 }
+
+TEMPLATE_TEST_CASE("Masked keys contribute exactly nothing, even with huge values", "[exact]",
+                   float, double) {
+  using Scalar = TestType;
+  // Regression: Eigen's vectorised exp clamps its argument, so exp(-inf) is ~1e-38 (float) rather
+  // than 0; with values ~1e37 a masked key would then shift outputs by O(0.1).
+  const Index n = 64, m = 64, d = 8;
+  const Matrix<Scalar> Q = randn<Scalar>(n, d, 1), K = randn<Scalar>(m, d, 2);
+  Matrix<Scalar> V = randn<Scalar>(m, d, 3), Vhuge = V;
+  const Scalar huge = std::is_same<Scalar, float>::value ? Scalar(1e37) : Scalar(1e300);
+  // Keys >= 24 are huge. With 16 x 16 tiles, the diagonal tile of rows 16..31 holds keys 16..31,
+  // so keys 24..31 are masked *inside* a computed tile for rows 16..23 (not just skipped).
+  const Index t = 24;
+  Vhuge.bottomRows(m - t).setConstant(huge);
+  for (const bool naive : {false, true}) {
+    ExactOptions o;
+    o.causal = true;
+    o.block_q = 16;
+    o.block_k = 16;
+    auto run = [&](const Matrix<Scalar>& v) {
+      return naive ? ExactAttention<Scalar, policy::Naive>(o).compute(Q, K, v).output
+                   : ExactAttention<Scalar>(o).compute(Q, K, v).output;
+    };
+    // Causal rows i < t never see the huge values.
+    CHECK(bitwise_equal(run(V).topRows(t), run(Vhuge).topRows(t)));
+    // Bias mask: the same keys hidden by -inf for every row.
+    Vector<Scalar> bias = Vector<Scalar>::Zero(m);
+    bias.tail(m - t).setConstant(-std::numeric_limits<Scalar>::infinity());
+    o.causal = false;
+    const Matrix<Scalar> a =
+        naive ? ExactAttention<Scalar, policy::Naive>(o).compute(Q, K, V, bias).output
+              : ExactAttention<Scalar>(o).compute(Q, K, V, bias).output;
+    const Matrix<Scalar> b =
+        naive ? ExactAttention<Scalar, policy::Naive>(o).compute(Q, K, Vhuge, bias).output
+              : ExactAttention<Scalar>(o).compute(Q, K, Vhuge, bias).output;
+    CHECK(bitwise_equal(a, b));
+  }
+}

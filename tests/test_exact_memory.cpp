@@ -130,17 +130,25 @@ TEST_CASE("Tiled at n = m = 16384 stays under 64 MiB beyond the inputs", "[exact
   CHECK(s.largest >= static_cast<long long>(n * d * 4));
 }
 
-TEST_CASE("The number of allocations does not grow with the number of tiles", "[exact][memory]") {
-  const ExactAttentionf f;
-  auto count_for = [&](Index n) {
-    const auto w = workloads::make<float>(workloads::Kind::Gaussian, n, 64, 2);
-    (void)f.compute(w.Q, w.K, w.V);  // warm-up (thread pool, lazily initialised state)
-    return track([&] { (void)f.compute(w.Q, w.K, w.V); }).count;
-  };
-  const long long small = count_for(2048);  // 16 x 8 tiles
-  const long long large = count_for(8192);  // 64 x 32 tiles: 16x more GEMM pairs
-  INFO("allocations: " << small << " at n = 2048, " << large << " at n = 8192");
-  // Allocations are per call and per thread (workspace, output), never per tile.
-  CHECK(large <= small + 4);
-  CHECK(large < 64);
+TEMPLATE_TEST_CASE("The number of allocations does not grow with the number of tiles",
+                   "[exact][memory]", float, double) {
+  for (const Index d : {64, 128}) {
+    for (const bool causal : {false, true}) {
+      ExactOptions o;
+      o.causal = causal;
+      const ExactAttention<TestType> f(o);
+      auto count_for = [&](Index n) {
+        const auto w = workloads::make<TestType>(workloads::Kind::Gaussian, n, d, 2);
+        (void)f.compute(w.Q, w.K, w.V);  // warm-up (thread pool, lazily initialised state)
+        return track([&] { (void)f.compute(w.Q, w.K, w.V); }).count;
+      };
+      const long long small = count_for(1024);  // 8 x 4 tiles
+      const long long large = count_for(4096);  // 32 x 16 tiles: 16x more GEMM pairs
+      INFO("d = " << d << ", causal = " << causal << ": " << small << " allocations at n = 1024, "
+                  << large << " at n = 4096");
+      // Allocations are per call and per thread (K^T, workspaces, output), never per tile or GEMM.
+      CHECK(large <= small + 4);
+      CHECK(large < 64);
+    }
+  }
 }

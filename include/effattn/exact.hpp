@@ -53,13 +53,22 @@ struct ExactTilePlan {
   Index kv_splits = 1;  ///< key-range splits per query block (split-KV for few query blocks)
 };
 
-inline ExactTilePlan plan_exact_tiles(Index n, Index m, const ExactOptions& o) {
+inline ExactTilePlan plan_exact_tiles(Index n, Index m, Index d, Index dv, Index scalar_bytes,
+                                      const ExactOptions& o) {
   ExactTilePlan p;
-  // Defaults measured with bench_exact (see README "Exact attention"): a 128 x 256 float score
-  // tile is 128 KiB, within Eigen's 128 KiB stack limit for GEMM packing buffers (no heap
-  // allocation per GEMM call) and well inside the 2 MiB L2.
-  p.bq = std::min(n, o.block_q > 0 ? o.block_q : Index(128));
-  p.bk = std::min(m, o.block_k > 0 ? o.block_k : Index(256));
+  // Automatic tiles: 128 query rows, and as many keys (<= 256) as keep the score tile within
+  // Eigen's stack-allocation limit (128 KiB by default), because Eigen packs a GEMM operand of
+  // that size on the stack but heap-allocates larger ones on every call (measured: one malloc
+  // per tile for double 128 x 256 tiles). Float: 128 x 256, double: 128 x 128; the query block
+  // halves for very wide heads so the packed Q tile obeys the same limit. A tile that size sits
+  // well inside the L2 cache. The choice was timed with bench_exact (README "Exact attention").
+  const Index limit = EIGEN_STACK_ALLOCATION_LIMIT;
+  const Index width = std::min<Index>(std::max(d, dv), 256);
+  Index bq = 128;
+  while (bq > 16 && bq * width * scalar_bytes > limit) bq /= 2;
+  const Index bk = std::max<Index>(16, std::min<Index>(256, limit / (bq * scalar_bytes)));
+  p.bq = std::min(n, o.block_q > 0 ? o.block_q : bq);
+  p.bk = std::min(m, o.block_k > 0 ? o.block_k : bk);
   p.q_blocks = (n + p.bq - 1) / p.bq;
   // Too few query blocks to keep several cores busy (decode, short prompts against a long
   // cache): also split the key range, then merge the partial softmax states by log-sum-exp.
@@ -126,13 +135,11 @@ void exact_tiled_block(const ConstRef<Scalar>& Q, const Matrix<Scalar>& Kt,
     S.noalias() = q * Kt.middleCols(j0, cols);
     if (bias != nullptr)
       for (Index c = 0; c < cols; ++c) S.col(c).array() += bias[j0 + c];
-    if (causal && j0 + cols - 1 > i0 + off) {
-      // Diagonal tile: key j is hidden from local rows r < j - off - i0 (a prefix of the column).
-      for (Index c = 0; c < cols; ++c) {
-        const Index hidden = std::min(bq, j0 + c - off - i0);
-        if (hidden > 0) S.col(c).head(hidden).setConstant(ninf);
-      }
-    }
+    // Diagonal tile: key j is hidden from local rows r < j - off - i0 (a prefix of the column).
+    const bool diagonal = causal && j0 + cols - 1 > i0 + off;
+    auto hidden_rows = [&](Index c) { return std::max<Index>(0, std::min(bq, j0 + c - off - i0)); };
+    if (diagonal)
+      for (Index c = 0; c < cols; ++c) S.col(c).head(hidden_rows(c)).setConstant(ninf);
     tmax = S.col(0).array();
     for (Index c = 1; c < cols; ++c) tmax = tmax.max(S.col(c).array());
     tmax = tmax.max(m);  // new running max
@@ -142,6 +149,10 @@ void exact_tiled_block(const ConstRef<Scalar>& Q, const Matrix<Scalar>& Kt,
     tsum.setZero();
     for (Index c = 0; c < cols; ++c) {
       S.col(c).array() = (S.col(c).array() - shift).exp();
+      // Masked entries must be exactly 0: Eigen's vectorised exp clamps its argument, so
+      // exp(-inf) would give ~1e-38 (float), which a huge value could still turn into a bias.
+      if (diagonal) S.col(c).head(hidden_rows(c)).setZero();
+      if (bias != nullptr && bias[j0 + c] == ninf) S.col(c).setZero();
       tsum += S.col(c).array();
     }
     l = l * alpha.template cast<double>() + tsum.template cast<double>();
@@ -366,7 +377,8 @@ class ExactAttention {
     if (std::is_same<Policy, policy::Naive>::value) {
       detail::exact_naive<Scalar>(Q, K, V, bias, scale, m_opts.causal, r.output, r.lse);
     } else {
-      const detail::ExactTilePlan plan = detail::plan_exact_tiles(Q.rows(), K.rows(), m_opts);
+      const detail::ExactTilePlan plan = detail::plan_exact_tiles(
+          Q.rows(), K.rows(), Q.cols(), V.cols(), static_cast<Index>(sizeof(Scalar)), m_opts);
       detail::exact_tiled<Scalar>(Q, K, V, bias, static_cast<Scalar>(scale), m_opts.causal, plan,
                                   r.output, r.lse);
       r.block_q = plan.bq;

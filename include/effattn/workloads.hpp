@@ -94,7 +94,7 @@ struct Workload {
   Matrix<Scalar> K;  ///< m x d
   Matrix<Scalar> V;  ///< m x dv
   Kind kind = Kind::Gaussian;
-  /// needles only: (query row, key row) pairs with Q.row(query) = gain * K.row(key).
+  /// needles only: (query row, key row) pairs with Q.row(query) = query_scale * gain * K.row(key).
   std::vector<std::pair<Index, Index>> needles;
 };
 

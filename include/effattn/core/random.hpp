@@ -48,9 +48,10 @@ inline double uniform01(Rng& rng) {
   return static_cast<double>(rng() >> 11) * 0x1.0p-53;
 }
 
-/// Uniform double in the open interval (0, 1).
+/// Uniform double in the open interval (0, 1): (k + 1/2) / 2^52 for a 52-bit k. (With 53 bits,
+/// k + 1/2 is not representable for k >= 2^52 and the top value would round to exactly 1.)
 inline double uniform_open01(Rng& rng) {
-  return (static_cast<double>(rng() >> 11) + 0.5) * 0x1.0p-53;
+  return (static_cast<double>(rng() >> 12) + 0.5) * 0x1.0p-52;
 }
 
 /// Uniform integer in [0, n) without modulo bias (rejection of the low 2^64 mod n outputs).
@@ -98,13 +99,18 @@ void fill_normal(Eigen::DenseBase<Derived>& m, Rng& rng, double mean = 0.0, doub
   }
 }
 
-/// Fills `m` with i.i.d. uniforms on [lo, hi) in column-major order.
+/// Fills `m` with i.i.d. uniforms on [lo, hi) in column-major order (lo < hi). Values that round
+/// up to `hi` in the target scalar (possible for float) are replaced by the largest scalar < hi.
 template <typename Derived>
 void fill_uniform(Eigen::DenseBase<Derived>& m, Rng& rng, double lo = 0.0, double hi = 1.0) {
   using S = typename Derived::Scalar;
   const Index rows = m.rows();
-  for (Index k = 0; k < m.size(); ++k)
-    m(k % rows, k / rows) = static_cast<S>(lo + (hi - lo) * uniform01(rng));
+  const S top = static_cast<S>(hi);
+  const S below_top = std::nextafter(top, static_cast<S>(lo));
+  for (Index k = 0; k < m.size(); ++k) {
+    const S x = static_cast<S>(lo + (hi - lo) * uniform01(rng));
+    m(k % rows, k / rows) = x < top ? x : below_top;
+  }
 }
 
 /// Fills `m` with i.i.d. Rademacher signs (+1/-1), 64 signs per engine output.

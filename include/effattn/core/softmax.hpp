@@ -1,10 +1,13 @@
 /// \file softmax.hpp
 /// \brief Numerically stable softmax and log-sum-exp (max subtraction, double accumulation).
 ///
-/// Conventions: logits equal to -inf are masked entries (probability 0). A row whose entries are
-/// all -inf has no defined softmax: these helpers leave it as all zeros with log-sum-exp -inf,
-/// and callers that can meet such rows must decide what that means (exact attention rejects
-/// them up front). Sums are accumulated in double even when the scalar is float.
+/// Conventions: logits equal to -inf are masked entries (probability exactly 0). A row whose
+/// entries are all -inf has no defined softmax: these helpers leave it as all zeros with
+/// log-sum-exp -inf, and callers that can meet such rows must decide what that means (exact
+/// attention rejects them up front). Sums are accumulated in double even when the scalar is float.
+///
+/// Masked entries are zeroed explicitly: Eigen's vectorised exp clamps its argument (to about
+/// -88.7 in float, -709.8 in double), so exp(-inf) evaluates to ~1e-38 / ~1e-308, not 0.
 #pragma once
 
 #include <cmath>
@@ -13,6 +16,15 @@
 #include "types.hpp"
 
 namespace effattn {
+
+namespace detail {
+/// exp(x - shift) with exact zeros where x = -inf (see the file documentation).
+template <typename Derived, typename Shift>
+auto masked_exp(const Eigen::ArrayBase<Derived>& x, const Shift& shift) {
+  using Scalar = typename Derived::Scalar;
+  return (x == -std::numeric_limits<Scalar>::infinity()).select(Scalar(0), (x - shift).exp());
+}
+}  // namespace detail
 
 /// log(sum_i exp(x_i)) of a vector or array, computed as max + log(sum exp(x - max)) with the sum
 /// in double. Returns -inf for an empty input or when every entry is -inf; +inf if any is +inf;
@@ -25,7 +37,7 @@ double logsumexp(const Eigen::DenseBase<Derived>& x) {
   const double mx = xd.maxCoeff();
   if (std::isnan(mx) || xd.hasNaN()) return std::numeric_limits<double>::quiet_NaN();
   if (mx == ninf || mx == -ninf) return mx;
-  return mx + std::log((xd.array() - mx).exp().sum());
+  return mx + std::log(detail::masked_exp(xd.array(), mx).sum());
 }
 
 /// Row-wise maximum of a (column-major) matrix, computed column by column so it vectorises.
@@ -47,7 +59,7 @@ Vector<typename Derived::Scalar> row_logsumexp(const Eigen::MatrixBase<Derived>&
   Eigen::Array<double, Eigen::Dynamic, 1> sum =
       Eigen::Array<double, Eigen::Dynamic, 1>::Zero(S.rows());
   for (Index j = 0; j < S.cols(); ++j)
-    sum += (S.col(j) - shift).array().exp().template cast<double>();
+    sum += detail::masked_exp(S.col(j).array(), shift.array()).template cast<double>();
   Vector<Scalar> lse(S.rows());
   for (Index i = 0; i < S.rows(); ++i)
     lse(i) = static_cast<Scalar>(static_cast<double>(shift(i)) + std::log(sum(i)));
@@ -64,7 +76,7 @@ Vector<typename Derived::Scalar> row_softmax_inplace(Eigen::MatrixBase<Derived>&
   const Vector<Scalar> shift = mx.array().isFinite().select(mx, Vector<Scalar>::Zero(n));
   Eigen::Array<double, Eigen::Dynamic, 1> sum = Eigen::Array<double, Eigen::Dynamic, 1>::Zero(n);
   for (Index j = 0; j < S.cols(); ++j) {
-    S.col(j) = (S.col(j) - shift).array().exp().matrix();
+    S.col(j) = detail::masked_exp(S.col(j).array(), shift.array()).matrix();
     sum += S.col(j).array().template cast<double>();
   }
   Vector<Scalar> lse(n);
