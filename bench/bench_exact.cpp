@@ -4,7 +4,7 @@
 // Eigen products, vectorised row softmax) so ratios can be read from one run.
 //
 // Names: exact/<tiled|naive>/<float|double>/d<d>/<full|causal>/t<threads|all>/<n>
-//        gemm/<float|double>/<n>          afternoon/float/d64/full/tall/<n>
+//        gemm/<float|double>/t<1|all>/<n>          afternoon/float/d64/full/tall/<n>
 // Counters: GFLOP/s (4 n m d per iteration, dense-equivalent), rel_err (relative Frobenius
 // error of 64 sampled rows against the double Naive reference), threads.
 // Ratios: python3 bench/ratios.py out.json (see README "Benchmarks").
@@ -27,9 +27,9 @@ const char* scalar_name() {
 }
 
 template <typename Scalar>
-void bm_gemm(benchmark::State& state) {
+void bm_gemm(benchmark::State& state, int threads_req) {
   const Index n = state.range(0);
-  const int threads = set_threads(0);
+  const int threads = set_threads(threads_req);
   Rng rng = make_rng(7);
   const Matrix<Scalar> A = random_normal<Scalar>(n, n, rng), B = random_normal<Scalar>(n, n, rng);
   Matrix<Scalar> C(n, n);
@@ -110,11 +110,20 @@ void register_exact(const char* policy, std::int64_t max_n, Index d, bool causal
 
 int main(int argc, char** argv) {
   effattn::bench::default_threads();  // record OMP_NUM_THREADS before any benchmark changes it
-  for (const char* s : {"float", "double"}) {
-    auto* b = std::string(s) == "float"
-                  ? benchmark::RegisterBenchmark("gemm/float", bm_gemm<float>)
-                  : benchmark::RegisterBenchmark("gemm/double", bm_gemm<double>);
-    b->Arg(512)->Arg(2048)->Unit(benchmark::kMillisecond)->UseRealTime();
+  for (const int t : {0, 1}) {
+    const std::string tn = t == 0 ? "tall" : "t1";
+    benchmark::RegisterBenchmark(("gemm/float/" + tn).c_str(),
+                                 [t](benchmark::State& s) { bm_gemm<float>(s, t); })
+        ->Arg(512)
+        ->Arg(2048)
+        ->Unit(benchmark::kMillisecond)
+        ->UseRealTime();
+    benchmark::RegisterBenchmark(("gemm/double/" + tn).c_str(),
+                                 [t](benchmark::State& s) { bm_gemm<double>(s, t); })
+        ->Arg(512)
+        ->Arg(2048)
+        ->Unit(benchmark::kMillisecond)
+        ->UseRealTime();
   }
   benchmark::RegisterBenchmark("afternoon/float/d64/full/tall", bm_afternoon)
       ->Arg(512)
