@@ -26,15 +26,9 @@ const workloads::Workload<Scalar>& cached_workload(workloads::Kind kind, Index n
   using Key = std::tuple<int, Index, Index, Index, Index, std::uint64_t>;
   static std::map<Key, std::unique_ptr<workloads::Workload<Scalar>>> cache;
   auto& slot = cache[Key(static_cast<int>(kind), n, m, d, dv, seed)];
-  if (!slot) {
-    workloads::Params p;
-    p.n = n;
-    p.m = m;
-    p.d = d;
-    p.dv = dv;
-    p.seed = seed;
-    slot = std::make_unique<workloads::Workload<Scalar>>(workloads::make<Scalar>(kind, p));
-  }
+  if (!slot)
+    slot = std::make_unique<workloads::Workload<Scalar>>(
+        workloads::make<Scalar>(kind, workloads::Params::shape(n, m, d, dv, seed)));
   return *slot;
 }
 

@@ -2,6 +2,7 @@
 """Ratios from one bench_exact JSON run (google-benchmark --benchmark_out=FILE).
 
 Usage: python3 bench/ratios.py out.json [--n 4096] [--d 64] [--scalar float]
+       python3 bench/ratios.py out.json --table      (markdown table of every exact family)
 
 Prints, for the chosen n, d and scalar (times are per-iteration real times of the same run):
   * Tiled effective GFLOP/s as a fraction of the Eigen GEMM rate (gemm/<scalar>/2048),
@@ -32,14 +33,37 @@ def load(path):
     return data.get("context", {}), best
 
 
+def table(best):
+    """Markdown table: one row per exact family, effective GFLOP/s per n (time in ms below)."""
+    fams, sizes = {}, set()
+    for name, v in best.items():
+        m = re.match(r"^(exact/[^/]+/[^/]+/d\d+/[^/]+/[^/]+|afternoon/[^/]+/d\d+/[^/]+/[^/]+)/(\d+)$", name)
+        if m:
+            fams.setdefault(m.group(1), {})[int(m.group(2))] = v
+            sizes.add(int(m.group(2)))
+    sizes = sorted(sizes)
+    print("| family | " + " | ".join(f"n={n}" for n in sizes) + " |")
+    print("|---|" + "---|" * len(sizes))
+    for fam in sorted(fams):
+        cells = []
+        for n in sizes:
+            v = fams[fam].get(n)
+            cells.append(f"{v['rate']:.0f} ({v['time'] * 1e3:.1f} ms)" if v else "")
+        print(f"| {fam} | " + " | ".join(cells) + " |")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("json")
     ap.add_argument("--n", type=int, default=4096)
     ap.add_argument("--d", type=int, default=64)
     ap.add_argument("--scalar", default="float")
+    ap.add_argument("--table", action="store_true")
     a = ap.parse_args()
     ctx, best = load(a.json)
+    if a.table:
+        table(best)
+        return
     print(f"host: {ctx.get('host_name', '?')}, cpus: {ctx.get('num_cpus', '?')}, "
           f"date: {ctx.get('date', '?')}, load avg: {ctx.get('load_avg', '?')}")
     found = False

@@ -79,13 +79,8 @@ std::vector<ConformanceEntry> conformance_report(const ConformanceConfig& cfg, R
   std::vector<ConformanceEntry> report;
   for (const auto& shape : cfg.shapes) {
     for (const workloads::Kind kind : workloads::all_kinds()) {
-      workloads::Params p;
-      p.n = shape.n;
-      p.m = shape.m;
-      p.d = shape.d;
-      p.dv = shape.dv;
-      p.seed = cfg.workload_seed;
-      const auto w = workloads::make<Scalar>(kind, p);
+      const auto w = workloads::make<Scalar>(
+          kind, workloads::Params::shape(shape.n, shape.m, shape.d, shape.dv, cfg.workload_seed));
       ConformanceEntry e;
       e.shape = shape;
       e.kind = kind;

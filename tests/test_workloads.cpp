@@ -27,16 +27,6 @@ using wl::Kind;
 
 namespace {
 
-wl::Params params(Index n, Index m, Index d, Index dv, std::uint64_t seed) {
-  wl::Params p;
-  p.n = n;
-  p.m = m;
-  p.d = d;
-  p.dv = dv;
-  p.seed = seed;
-  return p;
-}
-
 /// Fraction of entries in which A and B differ (same shapes assumed).
 template <typename DA, typename DB>
 double fraction_different(const Eigen::MatrixBase<DA>& A, const Eigen::MatrixBase<DB>& B) {
@@ -125,7 +115,7 @@ TEMPLATE_TEST_CASE("workloads: shapes follow Params (n != m, dv != d) and entrie
   using S = TestType;
   for (Kind k : wl::all_kinds()) {
     INFO("kind " << wl::name(k));
-    const wl::Workload<S> w = wl::make<S>(k, params(40, 56, 12, 20, 3));
+    const wl::Workload<S> w = wl::make<S>(k, wl::Params::shape(40, 56, 12, 20, 3));
     CHECK(w.kind == k);
     CHECK(w.Q.rows() == 40);
     CHECK(w.Q.cols() == 12);
@@ -139,7 +129,7 @@ TEMPLATE_TEST_CASE("workloads: shapes follow Params (n != m, dv != d) and entrie
     CHECK(w.needles.empty() == (k != Kind::Needles));
 
     // m = 0 means n, dv = 0 means d; odd d (an unpaired RoPE coordinate) and d = 1 work.
-    const wl::Workload<S> sq = wl::make<S>(k, params(24, 0, 7, 0, 3));
+    const wl::Workload<S> sq = wl::make<S>(k, wl::Params::shape(24, 0, 7, 0, 3));
     CHECK(sq.Q.rows() == 24);
     CHECK(sq.K.rows() == 24);
     CHECK(sq.V.rows() == 24);
@@ -147,7 +137,7 @@ TEMPLATE_TEST_CASE("workloads: shapes follow Params (n != m, dv != d) and entrie
     CHECK(sq.V.cols() == 7);
     CHECK(sq.Q.allFinite());
     CHECK(sq.K.allFinite());
-    const wl::Workload<S> tiny = wl::make<S>(k, params(1, 1, 1, 1, 3));
+    const wl::Workload<S> tiny = wl::make<S>(k, wl::Params::shape(1, 1, 1, 1, 3));
     CHECK(tiny.Q.size() == 1);
     CHECK(tiny.K.size() == 1);
     CHECK(tiny.V.size() == 1);
@@ -161,15 +151,15 @@ TEMPLATE_TEST_CASE("workloads: same seed is bitwise identical, different seeds d
   using S = TestType;
   for (Kind k : wl::all_kinds()) {
     INFO("kind " << wl::name(k));
-    const wl::Workload<S> a = wl::make<S>(k, params(64, 80, 16, 24, 11));
-    const wl::Workload<S> b = wl::make<S>(k, params(64, 80, 16, 24, 11));
+    const wl::Workload<S> a = wl::make<S>(k, wl::Params::shape(64, 80, 16, 24, 11));
+    const wl::Workload<S> b = wl::make<S>(k, wl::Params::shape(64, 80, 16, 24, 11));
     CHECK(et::bitwise_equal(a.Q, b.Q));
     CHECK(et::bitwise_equal(a.K, b.K));
     CHECK(et::bitwise_equal(a.V, b.V));
     CHECK(a.needles == b.needles);
     // Continuous random entries: essentially every entry changes with the seed (clustered
     // entries are centre + noise, and the centres change too).
-    const wl::Workload<S> c = wl::make<S>(k, params(64, 80, 16, 24, 12));
+    const wl::Workload<S> c = wl::make<S>(k, wl::Params::shape(64, 80, 16, 24, 12));
     CHECK(fraction_different(a.Q, c.Q) > 0.9);
     CHECK(fraction_different(a.K, c.K) > 0.9);
     CHECK(fraction_different(a.V, c.V) > 0.9);
@@ -181,8 +171,8 @@ TEMPLATE_TEST_CASE("workloads: changing dv leaves Q, K (and the needles) bitwise
   using S = TestType;
   for (Kind k : wl::all_kinds()) {
     INFO("kind " << wl::name(k));
-    const wl::Workload<S> a = wl::make<S>(k, params(48, 72, 16, 8, 5));
-    const wl::Workload<S> b = wl::make<S>(k, params(48, 72, 16, 40, 5));
+    const wl::Workload<S> a = wl::make<S>(k, wl::Params::shape(48, 72, 16, 8, 5));
+    const wl::Workload<S> b = wl::make<S>(k, wl::Params::shape(48, 72, 16, 40, 5));
     CHECK(et::bitwise_equal(a.Q, b.Q));
     CHECK(et::bitwise_equal(a.K, b.K));
     CHECK(a.needles == b.needles);
@@ -196,8 +186,10 @@ TEMPLATE_TEST_CASE("workloads: generation does not depend on the thread count", 
   using S = TestType;
   for (Kind k : wl::all_kinds()) {
     INFO("kind " << wl::name(k));
-    const auto one = et::with_threads(1, [&] { return wl::make<S>(k, params(96, 64, 16, 8, 9)); });
-    const auto four = et::with_threads(4, [&] { return wl::make<S>(k, params(96, 64, 16, 8, 9)); });
+    const auto one =
+        et::with_threads(1, [&] { return wl::make<S>(k, wl::Params::shape(96, 64, 16, 8, 9)); });
+    const auto four =
+        et::with_threads(4, [&] { return wl::make<S>(k, wl::Params::shape(96, 64, 16, 8, 9)); });
     CHECK(et::bitwise_equal(one.Q, four.Q));
     CHECK(et::bitwise_equal(one.K, four.K));
     CHECK(et::bitwise_equal(one.V, four.V));
@@ -210,7 +202,7 @@ TEMPLATE_TEST_CASE("workloads: query_scale multiplies Q exactly and leaves K, V 
   for (Kind k : wl::all_kinds()) {
     for (double qs : {0.5, 3.0, -1.25}) {
       INFO("kind " << wl::name(k) << ", query_scale " << qs);
-      wl::Params p = params(32, 40, 8, 6, 21);
+      wl::Params p = wl::Params::shape(32, 40, 8, 6, 21);
       const wl::Workload<S> base = wl::make<S>(k, p);
       p.query_scale = qs;
       const wl::Workload<S> scaled = wl::make<S>(k, p);
@@ -227,7 +219,7 @@ TEMPLATE_TEST_CASE("workloads: the (n, d, seed) and by-name overloads equal make
   using S = TestType;
   for (Kind k : wl::all_kinds()) {
     INFO("kind " << wl::name(k));
-    const wl::Workload<S> by_params = wl::make<S>(k, params(50, 0, 10, 0, 77));
+    const wl::Workload<S> by_params = wl::make<S>(k, wl::Params::shape(50, 0, 10, 0, 77));
     const wl::Workload<S> by_shape = wl::make<S>(k, 50, 10, 77);
     const wl::Workload<S> by_name = wl::make<S>(std::string(wl::name(k)), 50, 10, 77);
     for (const wl::Workload<S>* w : {&by_shape, &by_name}) {
@@ -299,16 +291,16 @@ TEMPLATE_TEST_CASE("workloads: invalid Params throw invalid_argument", "[workloa
   };
   for (Kind k : wl::all_kinds()) {
     // The unmodified parameters are valid (so each failure below is due to its one change).
-    CHECK_NOTHROW(wl::make<S>(k, params(8, 8, 4, 4, 1)));
+    CHECK_NOTHROW(wl::make<S>(k, wl::Params::shape(8, 8, 4, 4, 1)));
     for (const auto& b : bad) {
       INFO("kind " << wl::name(k) << ", " << b.first);
-      wl::Params p = params(8, 8, 4, 4, 1);
+      wl::Params p = wl::Params::shape(8, 8, 4, 4, 1);
       b.second(p);
       CHECK_THROWS_AS(wl::make<S>(k, p), effattn::invalid_argument);
     }
   }
   // Boundary values that are valid: zero noise, zero radius (= default), rope_base just above 1.
-  wl::Params ok = params(8, 8, 4, 4, 1);
+  wl::Params ok = wl::Params::shape(8, 8, 4, 4, 1);
   ok.noise = 0;
   ok.radius = 0;
   ok.rope_base = 1.0001;
@@ -327,7 +319,7 @@ TEMPLATE_TEST_CASE("sphere: every row of Q and K has norm R, logits within +-1 b
   for (Index d : {Index(16), Index(64)}) {
     const double tol = static_cast<double>(d) * et::eps<S>();
     for (double radius : {0.0, 3.5}) {
-      wl::Params p = params(100, 120, d, 8, 4);
+      wl::Params p = wl::Params::shape(100, 120, d, 8, 4);
       p.radius = radius;
       const wl::Workload<S> w = wl::make<S>(Kind::Sphere, p);
       const double R = radius > 0 ? radius : std::pow(static_cast<double>(d), 0.25);
@@ -362,7 +354,7 @@ TEMPLATE_TEST_CASE("needles: count, distinct query rows, and q = gain x k exactl
   for (const Case c : {Case{512, 0, 2.0, 8}, Case{100, 0, 2.0, 1}, Case{40, 0, 2.0, 1},
                        Case{64, 5, 1.7, 5}, Case{40, 1000, -0.6, 40}}) {
     INFO("n " << c.n << ", needles " << c.needles << ", gain " << c.gain);
-    wl::Params p = params(c.n, 96, 16, 8, 13);
+    wl::Params p = wl::Params::shape(c.n, 96, 16, 8, 13);
     p.needles = c.needles;
     p.needle_gain = c.gain;
     const wl::Workload<S> w = wl::make<S>(Kind::Needles, p);
@@ -388,7 +380,7 @@ TEMPLATE_TEST_CASE("needles: the gaussian workload with the needle query rows re
                    "[workloads]", float, double) {
   // Documented construction: "gaussian, but a few queries equal gain x a random key".
   using S = TestType;
-  const wl::Params p = params(256, 200, 16, 8, 31);
+  const wl::Params p = wl::Params::shape(256, 200, 16, 8, 31);
   const wl::Workload<S> nd = wl::make<S>(Kind::Needles, p);
   const wl::Workload<S> gs = wl::make<S>(Kind::Gaussian, p);
   CHECK(et::bitwise_equal(nd.K, gs.K));
@@ -446,14 +438,14 @@ TEMPLATE_TEST_CASE("clustered: K is numerically rank c (gaussian is not)", "[wor
   // ||K||_F^2 (measured 0.9929 at seed 42). For i.i.d. N(0, 1) K (512 x 64) the squared singular
   // values follow Marchenko-Pastur on [(1 - 1/sqrt 8)^2, (1 + 1/sqrt 8)^2] * 512, so the top
   // quarter carries ~0.37 (measured 0.3730): bound 0.5.
-  const wl::Workload<S> cl = wl::make<S>(Kind::Clustered, params(512, 512, 64, 8, 42));
-  const wl::Workload<S> gs = wl::make<S>(Kind::Gaussian, params(512, 512, 64, 8, 42));
+  const wl::Workload<S> cl = wl::make<S>(Kind::Clustered, wl::Params::shape(512, 512, 64, 8, 42));
+  const wl::Workload<S> gs = wl::make<S>(Kind::Gaussian, wl::Params::shape(512, 512, 64, 8, 42));
   const double e_cl = top_singular_energy(cl.K, 16), e_gs = top_singular_energy(gs.K, 16);
   INFO("top-16 energy: clustered " << e_cl << ", gaussian " << e_gs);
   CHECK(e_cl > 0.95);
   CHECK(e_gs < 0.5);
   // Params::clusters is honoured: 4 centres -> the top 4 singular values carry > 0.95.
-  wl::Params p4 = params(512, 512, 64, 8, 42);
+  wl::Params p4 = wl::Params::shape(512, 512, 64, 8, 42);
   p4.clusters = 4;
   CHECK(top_singular_energy(wl::make<S>(Kind::Clustered, p4).K, 4) > 0.95);
 }
@@ -462,7 +454,7 @@ TEMPLATE_TEST_CASE("clustered: with zero noise, Q and K rows are exactly the c c
                    "[workloads]", float, double) {
   using S = TestType;
   // 1024 rows drawn from 16 centres: every centre is hit (P(miss one) <= 16 (15/16)^1024 ~ 1e-27).
-  wl::Params p = params(512, 512, 8, 4, 6);
+  wl::Params p = wl::Params::shape(512, 512, 8, 4, 6);
   p.noise = 0;
   const wl::Workload<S> w = wl::make<S>(Kind::Clustered, p);
   std::set<std::vector<S>> distinct_q, distinct_k;
@@ -484,8 +476,8 @@ TEMPLATE_TEST_CASE("clustered: each query's attention concentrates on a few keys
   // <c, c'> / 8 ~ N(0, 1): the top 2 m / 16 = 64 keys hold almost all the mass (measured mean
   // 0.9896 at seed 42, float). For gaussian logits ~ N(0, 1), the top 12.5 % of keys hold
   // E[e^Z; Z > z_0.875] / E[e^Z] = P(Z > 1.15 - 1) ~ 0.44 (measured 0.4368): bound 0.6.
-  const wl::Workload<S> cl = wl::make<S>(Kind::Clustered, params(512, 512, 64, 8, 42));
-  const wl::Workload<S> gs = wl::make<S>(Kind::Gaussian, params(512, 512, 64, 8, 42));
+  const wl::Workload<S> cl = wl::make<S>(Kind::Clustered, wl::Params::shape(512, 512, 64, 8, 42));
+  const wl::Workload<S> gs = wl::make<S>(Kind::Gaussian, wl::Params::shape(512, 512, 64, 8, 42));
   const double m_cl = mean_top_mass(attention_probabilities(cl), 64);
   const double m_gs = mean_top_mass(attention_probabilities(gs), 64);
   INFO("mean top-64 mass: clustered " << m_cl << ", gaussian " << m_gs);
@@ -513,7 +505,7 @@ TEMPLATE_TEST_CASE("positional: logits are nearly Toeplitz (gaussian logits are 
 
   // Without drift and noise every token has the same content, so the logits are exactly
   // Toeplitz up to round-off (relative ~ eps per entry, squared in the ratio).
-  wl::Params p = params(256, 256, 64, 8, 42);
+  wl::Params p = wl::Params::shape(256, 256, 64, 8, 42);
   p.noise = 0;
   p.drift = 0;
   const double r_exact = non_toeplitz_ratio(logits(wl::make<S>(Kind::Positional, p)));
@@ -543,7 +535,7 @@ TEMPLATE_TEST_CASE("positional: queries are bottom-aligned (query i sits at posi
   using S = TestType;
   // With zero noise a token's vector depends only on its position (and on T = max(n, m)), so the
   // n = 32, m = 96 workload must equal the last 32 queries / all keys of the 96 x 96 one.
-  wl::Params p = params(32, 96, 16, 8, 8);
+  wl::Params p = wl::Params::shape(32, 96, 16, 8, 8);
   p.noise = 0;
   const wl::Workload<S> cross = wl::make<S>(Kind::Positional, p);
   p.n = 96;

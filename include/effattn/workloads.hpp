@@ -85,6 +85,17 @@ struct Params {
   double rope_base = 10000;  ///< positional: RoPE base (theta_k = base^(-2k/d))
   Index needles = 0;         ///< needles: number of copying queries (0 = max(1, n / 64))
   double needle_gain = 2.0;  ///< needles: q_i = gain * k_j
+
+  /// Default knobs with the given shapes and seed.
+  static Params shape(Index n_, Index m_, Index d_, Index dv_, std::uint64_t seed_ = 42) {
+    Params p;
+    p.n = n_;
+    p.m = m_;
+    p.d = d_;
+    p.dv = dv_;
+    p.seed = seed_;
+    return p;
+  }
 };
 
 /// A generated problem.
@@ -248,11 +259,7 @@ Workload<Scalar> make(Kind kind, const Params& params) {
 /// Self-attention sized workload: n = m queries and keys of dimension d (dv = d).
 template <typename Scalar = double>
 Workload<Scalar> make(Kind kind, Index n, Index d, std::uint64_t seed = 42) {
-  Params p;
-  p.n = n;
-  p.d = d;
-  p.seed = seed;
-  return make<Scalar>(kind, p);
+  return make<Scalar>(kind, Params::shape(n, n, d, d, seed));
 }
 
 /// As `make(kind, n, d, seed)` with the kind given by name.
