@@ -1,0 +1,2 @@
+// VccStack example (placeholder until VCC lands).
+int main() { return 0; }
