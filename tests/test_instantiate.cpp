@@ -12,6 +12,15 @@ template struct effattn::ExactResult<float>;
 template struct effattn::ExactResult<double>;
 template struct effattn::workloads::Workload<float>;
 template struct effattn::workloads::Workload<double>;
+template class effattn::VccAttention<float>;
+template class effattn::VccAttention<double>;
+template class effattn::VccAttention<double, effattn::vcc::BestFirstDyadic, effattn::vcc::SumExp,
+                                     effattn::vcc::ExactQuery>;
+template class effattn::VccTree<float>;
+template class effattn::VccTree<double>;
+template class effattn::fft::CausalConv<float>;
+template class effattn::fft::CausalConv<double>;
+template class effattn::fft::CausalConv<float, effattn::fft::EigenFft, float>;
 
 TEST_CASE("Every public class template instantiates for float and double", "[instantiate]") {
   // The umbrella header compiled and the explicit instantiations above linked; check that the

@@ -3,17 +3,21 @@
 ///
 /// \mainpage effattn
 /// Header-only C++17 library of exact and approximate softmax attention on Eigen.
-/// Public headers: `exact.hpp` (ExactAttention), `workloads.hpp` (synthetic problems) and the
-/// shared utilities under `core/`. See README.md for the method table and examples.
+/// Public headers: `exact.hpp` (ExactAttention), `vcc.hpp` (VccAttention, VccTree),
+/// `workloads.hpp` (synthetic problems) and the shared utilities under `core/`. See README.md for
+/// the method table and examples.
 #pragma once
 
 #include "config.hpp"
 #include "core/checks.hpp"
 #include "core/errors.hpp"
+#include "core/fft.hpp"
+#include "core/lambert_w.hpp"
 #include "core/parallel.hpp"
 #include "core/random.hpp"
 #include "core/softmax.hpp"
 #include "core/types.hpp"
 #include "exact.hpp"
+#include "vcc.hpp"
 #include "version.hpp"
 #include "workloads.hpp"

@@ -270,3 +270,94 @@ Workload<Scalar> make(const std::string& kind, Index n, Index d, std::uint64_t s
 
 }  // namespace workloads
 }  // namespace effattn
+
+// ---------------------------------------------------------------------------------------------
+// Structured VCC workload (appended for effattn/vcc.hpp; not a `Kind`, so the generic
+// conformance suite does not iterate it).
+#include <algorithm>
+
+namespace effattn {
+namespace workloads {
+
+/// Parameters of `make_smooth_vip` (defaults: the generator of the VCC spec, section 6.C).
+struct SmoothVipParams {
+  Index n = 4096;             ///< tokens
+  Index d = 64;               ///< query/key dimension
+  Index dv = 0;               ///< value dimension (0 = d)
+  Index vip = 48;             ///< number of VIP rows n_p (distinct, uniformly random)
+  Index centres = 4;          ///< positions the VIP queries look at
+  double ar = 0.98;           ///< AR(1) coefficient rho of the keys along the sequence
+  double innovation = 0.2;    ///< AR(1) innovation standard deviation sigma
+  double query_gain = 3.0;    ///< |q| of the VIP queries before noise
+  double query_noise = 0.3;   ///< per-coordinate noise of every query
+  std::uint64_t seed = 1;     ///< random seed
+};
+
+/// A smooth-keys / peaked-VIP problem: Q, K (n x d), V (n x dv), the sorted VIP rows and the
+/// logit scale the parameters were designed for.
+template <typename Scalar>
+struct SmoothVipWorkload {
+  Matrix<Scalar> Q, K, V;
+  std::vector<Index> vip;      ///< sorted, unique VIP rows
+  std::vector<Index> centres;  ///< the key rows the VIP queries point at
+  double scale = 1.0 / 3.0;    ///< tau used with this workload (the spec's prototype value)
+};
+
+/// The structured generator of the VCC spec (6.C), on which VIP-guided compression should beat
+/// uniform pooling:
+/// - keys: a stationary AR(1) process along the sequence, x_t = rho x_{t-1} + sigma eps_t
+///   (x_0 from the stationary law N(0, sigma^2 / (1 - rho^2))), K = X: smooth in t;
+/// - values V = X W with W ~ N(0, 1/d) (d x dv): as smooth as the keys;
+/// - VIP queries: gain * (unit vector of the key at one of `centres` random positions) + noise,
+///   so with tau = 1/3 the VIP logits span about [-5, 12] and peak around the centres;
+/// - other queries: gain * (unit vector of the row's own key) + noise (local attention).
+/// Deterministic in the parameters. \throws effattn::invalid_argument on bad sizes.
+template <typename Scalar = double>
+SmoothVipWorkload<Scalar> make_smooth_vip(const SmoothVipParams& p = {}) {
+  static_assert(effattn::detail::is_supported_scalar_v<Scalar>,
+                "effattn: Scalar must be float or double");
+  const Index n = p.n, d = p.d, dv = p.dv > 0 ? p.dv : p.d;
+  EFFATTN_CHECK(n >= 1 && d >= 1 && dv >= 1 && p.vip >= 0 && p.vip <= n && p.centres >= 1 &&
+                    std::abs(p.ar) < 1 && p.innovation > 0 && std::isfinite(p.query_gain) &&
+                    std::isfinite(p.query_noise) && p.query_noise >= 0,
+                effattn::detail::cat("workloads::make_smooth_vip: need n, d, dv, centres >= 1, "
+                                     "0 <= vip <= n, |ar| < 1, innovation > 0; got n = ",
+                                     n, ", d = ", d, ", dv = ", dv, ", vip = ", p.vip,
+                                     ", centres = ", p.centres, ", ar = ", p.ar));
+  Rng rx = make_rng(p.seed, 11), rw = make_rng(p.seed, 12), rsel = make_rng(p.seed, 13),
+      rq = make_rng(p.seed, 14);
+  Matrix<double> X(n, d);
+  Vector<double> eps(d);
+  fill_normal(eps, rx);
+  X.row(0) = eps.transpose() * (p.innovation / std::sqrt(1.0 - p.ar * p.ar));
+  for (Index t = 1; t < n; ++t) {
+    fill_normal(eps, rx);
+    X.row(t) = p.ar * X.row(t - 1) + p.innovation * eps.transpose();
+  }
+  Matrix<double> W(d, dv);
+  fill_normal(W, rw, 0.0, 1.0 / std::sqrt(static_cast<double>(d)));
+  SmoothVipWorkload<Scalar> w;
+  w.K = X.cast<Scalar>();
+  w.V = (X * W).cast<Scalar>();
+  // VIP rows: a partial Fisher-Yates shuffle, then sorted. Centres: uniform rows.
+  std::vector<Index> rows(static_cast<std::size_t>(n));
+  for (Index i = 0; i < n; ++i) rows[static_cast<std::size_t>(i)] = i;
+  for (Index t = 0; t < p.vip; ++t)
+    std::swap(rows[static_cast<std::size_t>(t)],
+              rows[static_cast<std::size_t>(t + uniform_index(rsel, n - t))]);
+  w.vip.assign(rows.begin(), rows.begin() + p.vip);
+  std::sort(w.vip.begin(), w.vip.end());
+  for (Index c = 0; c < p.centres; ++c) w.centres.push_back(uniform_index(rsel, n));
+  Matrix<double> Q(n, d), noise(n, d);
+  fill_normal(noise, rq, 0.0, p.query_noise);
+  for (Index t = 0; t < n; ++t) Q.row(t) = X.row(t).normalized() * p.query_gain;
+  for (const Index i : w.vip) {
+    const Index c = w.centres[static_cast<std::size_t>(uniform_index(rsel, p.centres))];
+    Q.row(i) = X.row(c).normalized() * p.query_gain;
+  }
+  w.Q = (Q + noise).cast<Scalar>();
+  return w;
+}
+
+}  // namespace workloads
+}  // namespace effattn
