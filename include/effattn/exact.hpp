@@ -385,7 +385,8 @@ class ExactAttention {
       r.block_k = plan.bk;
       r.kv_splits = plan.kv_splits;
     }
-    r.info = r.output.allFinite() && r.lse.allFinite() ? Info::Success : Info::NumericalIssue;
+    r.info = detail::all_finite(r.output) && detail::all_finite(r.lse) ? Info::Success
+                                                                       : Info::NumericalIssue;
     return r;
   }
 

@@ -361,7 +361,8 @@ class VccAttention {
         if (decompress) detail::vcc_scatter_segments<Scalar>(e.output, n_p, runs, J, r.output);
       }
     }
-    r.info = info == Info::Success && r.output.allFinite() ? Info::Success : Info::NumericalIssue;
+    r.info = info == Info::Success && detail::all_finite(r.output) ? Info::Success
+                                                                   : Info::NumericalIssue;
     return r;
   }
 
