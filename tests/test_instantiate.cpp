@@ -18,6 +18,21 @@ template class effattn::VccAttention<double, effattn::vcc::BestFirstDyadic, effa
                                      effattn::vcc::ExactQuery>;
 template class effattn::VccTree<float>;
 template class effattn::VccTree<double>;
+template class effattn::EvaAttention<float>;
+template class effattn::EvaAttention<double>;
+template class effattn::EvaAttention<float, effattn::policy::RandomFeatures>;
+template class effattn::EvaAttention<double, effattn::policy::RandomFeatures>;
+template class effattn::RpCholesky<effattn::policy::RandomlyPivoted>;
+template class effattn::RpCholesky<effattn::policy::AcceleratedRandomlyPivoted>;
+template class effattn::RpCholesky<effattn::policy::GreedyPivoted>;
+template class effattn::ExpDotKernel<float>;
+template class effattn::ExpDotKernel<double>;
+template class effattn::ExpDotKernel<float, float>;
+template class effattn::GaussianKernel<float>;
+template class effattn::GaussianKernel<double>;
+template struct effattn::RpCholeskyResult<float>;
+template struct effattn::RpCholeskyResult<double>;
+template struct effattn::NystromResult<double>;
 template class effattn::fft::CausalConv<float>;
 template class effattn::fft::CausalConv<double>;
 template class effattn::fft::CausalConv<float, effattn::fft::EigenFft, float>;
@@ -28,6 +43,10 @@ TEST_CASE("Every public class template instantiates for float and double", "[ins
   STATIC_REQUIRE(std::is_same<effattn::ExactAttentionf, effattn::ExactAttention<float>>::value);
   STATIC_REQUIRE(std::is_same<effattn::ExactAttentiond, effattn::ExactAttention<double>>::value);
   STATIC_REQUIRE(std::is_same<effattn::ExactAttentionf::Options, effattn::ExactOptions>::value);
+  STATIC_REQUIRE(std::is_same<effattn::EvaAttentionf, effattn::EvaAttention<float>>::value);
+  STATIC_REQUIRE(std::is_same<effattn::EvaAttentiond::Options, effattn::EvaOptions>::value);
+  STATIC_REQUIRE(effattn::is_rp_kernel_v<effattn::ExpDotKernelf>);
+  STATIC_REQUIRE(effattn::is_rp_kernel_v<effattn::GaussianKerneld>);
   STATIC_REQUIRE(EFFATTN_VERSION == ((EFFATTN_VERSION_MAJOR << 16) | (EFFATTN_VERSION_MINOR << 8) |
                                      EFFATTN_VERSION_PATCH));
 }

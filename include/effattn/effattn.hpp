@@ -3,7 +3,8 @@
 ///
 /// \mainpage effattn
 /// Header-only C++17 library of exact and approximate softmax attention on Eigen.
-/// Public headers: `exact.hpp` (ExactAttention), `vcc.hpp` (VccAttention, VccTree),
+/// Public headers: `exact.hpp` (ExactAttention), `eva.hpp` (EvaAttention, PerformerAttention),
+/// `vcc.hpp` (VccAttention, VccTree),
 /// `workloads.hpp` (synthetic problems) and the shared utilities under `core/`. See README.md for
 /// the method table and examples.
 #pragma once
@@ -13,10 +14,13 @@
 #include "core/errors.hpp"
 #include "core/fft.hpp"
 #include "core/lambert_w.hpp"
+#include "core/nystrom.hpp"
 #include "core/parallel.hpp"
 #include "core/random.hpp"
+#include "core/rp_cholesky.hpp"
 #include "core/softmax.hpp"
 #include "core/types.hpp"
+#include "eva.hpp"
 #include "exact.hpp"
 #include "vcc.hpp"
 #include "version.hpp"

@@ -1,0 +1,9 @@
+// Benchmarks of conv_basis (placeholder until the method lands).
+#include "common.hpp"
+
+static void bm_placeholder(benchmark::State& state) {
+  for (auto _ : state) benchmark::DoNotOptimize(state.iterations());
+}
+BENCHMARK(bm_placeholder)->Name("conv_basis/smoke/placeholder");
+
+BENCHMARK_MAIN();

@@ -1,0 +1,406 @@
+/// \file rp_cholesky_impl.hpp
+/// \brief Internal: the loops of the three RPCholesky pivot rules. Include
+/// `<effattn/core/rp_cholesky.hpp>` instead; this header is not for users.
+///
+/// Notation (see rp_cholesky.hpp): K is the PSD kernel matrix the algorithm factorises (m x m),
+/// w the per-point sampling weights (all ones if the kernel has none), F the row-major factor
+/// (rows [0, k) hold the k pivots taken so far), res the residual diagonal diag(K - F^T F) with
+/// entries <= tol set to zero, and p_l = w_l res_l the unnormalised pivot distribution, whose sum
+/// is the (weighted) residual trace.
+#pragma once
+
+#ifndef EFFATTN_RP_CHOLESKY_INTERNAL
+#error "effattn/detail/rp_cholesky_impl.hpp is internal: include <effattn/core/rp_cholesky.hpp>"
+#endif
+
+#include <algorithm>
+#include <cmath>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+namespace effattn {
+namespace detail {
+
+// ---- The Kernel concept (documented at RpCholesky) ----
+template <typename K, typename = void>
+struct kernel_scalar {
+  using type = double;
+  static constexpr bool valid = false;
+};
+template <typename K>
+struct kernel_scalar<K, std::void_t<typename K::Scalar>> {
+  using type = typename K::Scalar;
+  static constexpr bool valid = is_supported_scalar_v<type>;
+};
+template <typename K>
+using kernel_scalar_t = typename kernel_scalar<K>::type;
+
+template <typename K, typename = void>
+struct has_kernel_size : std::false_type {};
+template <typename K>
+struct has_kernel_size<K, std::void_t<decltype(std::declval<const K&>().size())>>
+    : std::is_convertible<decltype(std::declval<const K&>().size()), Index> {};
+
+template <typename K, typename = void>
+struct has_kernel_diagonal : std::false_type {};
+template <typename K>
+struct has_kernel_diagonal<K, std::void_t<decltype(std::declval<const K&>().diagonal(
+                                  std::declval<Eigen::Ref<Vector<kernel_scalar_t<K>>>>()))>>
+    : std::true_type {};
+
+template <typename K, typename = void>
+struct has_kernel_rows : std::false_type {};
+template <typename K>
+struct has_kernel_rows<K, std::void_t<decltype(std::declval<const K&>().rows(
+                              std::declval<const std::vector<Index>&>(),
+                              std::declval<RowsRef<kernel_scalar_t<K>>>()))>> : std::true_type {};
+
+template <typename K, typename = void>
+struct has_sampling_weights : std::false_type {};
+template <typename K>
+struct has_sampling_weights<K, std::void_t<decltype(std::declval<const K&>().sampling_weights(
+                                   std::declval<Eigen::Ref<Vector<kernel_scalar_t<K>>>>()))>>
+    : std::true_type {};
+
+template <typename K, typename = void>
+struct has_principal_submatrix : std::false_type {};
+template <typename K>
+struct has_principal_submatrix<K, std::void_t<decltype(std::declval<const K&>().principal_submatrix(
+                                      std::declval<const std::vector<Index>&>(),
+                                      std::declval<Eigen::Ref<Matrix<kernel_scalar_t<K>>>>()))>>
+    : std::true_type {};
+
+/// Compile-time check of the Kernel concept with one readable message per missing piece.
+template <typename K>
+constexpr void static_check_kernel() {
+  static_assert(kernel_scalar<K>::valid,
+                "effattn: an RPCholesky Kernel must define `using Scalar = float or double;` "
+                "(the selection scalar; see the Kernel concept in core/rp_cholesky.hpp)");
+  static_assert(has_kernel_size<K>::value,
+                "effattn: an RPCholesky Kernel needs `Index size() const` (the m of the m x m "
+                "kernel matrix)");
+  static_assert(has_kernel_diagonal<K>::value,
+                "effattn: an RPCholesky Kernel needs `void diagonal(Eigen::Ref<Vector<Scalar>> "
+                "out) const` filling the m diagonal entries");
+  static_assert(has_kernel_rows<K>::value,
+                "effattn: an RPCholesky Kernel needs `void rows(const std::vector<Index>& idx, "
+                "RowsRef<Scalar> out) const` filling out(j, :) = K(idx[j], :)");
+}
+
+/// out = K(idx, idx), via the kernel's `principal_submatrix` when it has one, else cut out of
+/// |idx| full rows (O(|idx| m) extra work and memory).
+template <typename K, typename S, typename Out>
+void rp_principal_submatrix(const K& kernel, const std::vector<Index>& idx, Out& out) {
+  if constexpr (has_principal_submatrix<K>::value) {
+    kernel.principal_submatrix(idx, out);
+  } else {
+    const auto b = static_cast<Index>(idx.size());
+    RowMajorMatrix<S> rows(b, kernel.size());
+    kernel.rows(idx, rows);
+    for (Index j = 0; j < b; ++j)
+      for (Index i = 0; i < b; ++i) out(i, j) = rows(i, idx[static_cast<std::size_t>(j)]);
+  }
+}
+
+// ---- The pivot rules ----
+
+/// Working state shared by the three pivot rules; becomes the result at the end.
+template <typename S>
+struct RpWork {
+  Index m = 0;                 ///< kernel size
+  Index r = 0;                 ///< pivot budget, min(rank, m)
+  S tol = 0;                   ///< residuals <= tol are zero (round-off threshold)
+  double rel_tol = 0;          ///< stop once trace <= rel_tol * trace[0] (0 = off)
+  RowMajorMatrix<S> F;         ///< r x m; rows [0, k) are final
+  Vector<S> res;               ///< residual diagonal (thresholded)
+  Vector<S> w;                 ///< sampling weights; empty = all ones
+  std::vector<double> prefix;  ///< cumulative sums of p, for inverse-CDF sampling
+  std::vector<Index> pivots;   ///< pivots taken, in order
+  std::vector<double> trace;   ///< weighted residual trace after 0, 1, ..., k pivots
+  double initial_trace = 0;    ///< trace[0] as first computed (the rel_tol reference)
+  RpStopReason stop = RpStopReason::RankReached;
+  bool broke_down = false;  ///< a non-finite factor row was met
+  Index proposals = 0, blocks = 0;
+
+  Index k() const { return static_cast<Index>(pivots.size()); }
+
+  /// sum_l w_l res_l, in double.
+  double weighted_trace() const {
+    if (w.size() == 0) return res.template cast<double>().sum();
+    return (w.array().template cast<double>() * res.array().template cast<double>()).sum();
+  }
+
+  /// prefix[l] = p_0 + ... + p_l in double (left to right); returns the total.
+  double build_prefix() {
+    prefix.resize(static_cast<std::size_t>(m));
+    double acc = 0;
+    for (Index l = 0; l < m; ++l) {
+      acc += w.size() == 0 ? static_cast<double>(res(l))
+                           : static_cast<double>(w(l)) * static_cast<double>(res(l));
+      prefix[static_cast<std::size_t>(l)] = acc;
+    }
+    return acc;
+  }
+
+  /// The l with prefix[l-1] <= u * total < prefix[l] (inverse CDF; needs total > 0). The chosen
+  /// l always has p_l > 0. If rounding makes u * total == total, the last l with p_l > 0.
+  Index sample(double u) const {
+    const double total = prefix.back(), target = u * total;
+    auto it = std::upper_bound(prefix.begin(), prefix.end(), target);
+    if (it == prefix.end()) it = std::lower_bound(prefix.begin(), prefix.end(), total);
+    return static_cast<Index>(it - prefix.begin());
+  }
+
+  /// Decides at the top of the loop whether to stop (and why). Order: rank, exhausted, rel_tol.
+  bool should_stop() {
+    if (broke_down) return true;
+    if (k() >= r) {
+      stop = RpStopReason::RankReached;
+      return true;
+    }
+    if (!(trace.back() > 0)) {
+      stop = RpStopReason::Exhausted;
+      return true;
+    }
+    if (rel_tol > 0 && trace.back() <= rel_tol * initial_trace) {
+      stop = RpStopReason::RelTolReached;
+      return true;
+    }
+    return false;
+  }
+
+  /// Finalises factor row `row` (already K(pivot,:) - F^T F(:,pivot) scaled by 1/sqrt(res)):
+  /// zeroes it at the earlier pivots (exact triangular structure of F(:, S), which round-off would
+  /// otherwise blur), subtracts its square from the residuals, thresholds them, and records the
+  /// pivot and the new trace. Returns false (and marks a breakdown) for a non-finite row.
+  bool commit_row(Index row, Index pivot) {
+    auto f = F.row(row);
+    // |f|^2 is finite iff every entry is (F entries are bounded by sqrt(max diag) in exact
+    // arithmetic, so an overflow is a breakdown too).
+    if (!std::isfinite(static_cast<double>(f.squaredNorm()))) {
+      broke_down = true;
+      stop = RpStopReason::Breakdown;
+      return false;
+    }
+    for (Index p : pivots) f(p) = S(0);
+    const auto updated = res.array() - f.transpose().array().square();
+    res.array() = (updated > tol).select(updated, S(0));  // one pass; negatives clamp to 0
+    res(pivot) = S(0);
+    pivots.push_back(pivot);
+    trace.push_back(weighted_trace());
+    return true;
+  }
+
+  /// Sequential step: row k of F for pivot s, by one kernel row and one GEMV. O(m (k + cost of a
+  /// kernel row)).
+  template <typename Kernel>
+  void add_single_pivot(const Kernel& kernel, Index s, std::vector<Index>& one, Vector<S>& g) {
+    const Index k0 = k();
+    auto row = F.middleRows(k0, 1);
+    one.assign(1, s);
+    kernel.rows(one, row);
+    if (k0 > 0) {
+      g.head(k0) = F.col(s).head(k0);
+      row.noalias() -= g.head(k0).transpose() * F.topRows(k0);
+    }
+    row /= std::sqrt(res(s));
+    commit_row(k0, s);
+  }
+};
+
+/// Sequential RPCholesky (Chen, Epperly, Tropp & Webber 2025): one uniform per pivot, inverse CDF.
+template <typename S, typename Kernel>
+void rp_run_sequential(const Kernel& kernel, RpWork<S>& st, Rng& rng) {
+  std::vector<Index> one(1);
+  Vector<S> g(st.r);
+  while (!st.should_stop()) {
+    st.build_prefix();
+    const Index s = st.sample(uniform01(rng));
+    ++st.proposals;
+    st.add_single_pivot(kernel, s, one, g);
+  }
+}
+
+/// Greedy (largest weighted residual, smallest index on ties): deterministic pivoted Cholesky.
+template <typename S, typename Kernel>
+void rp_run_greedy(const Kernel& kernel, RpWork<S>& st) {
+  std::vector<Index> one(1);
+  Vector<S> g(st.r);
+  while (!st.should_stop()) {
+    Index s = 0;
+    double best = -1;
+    for (Index l = 0; l < st.m; ++l) {
+      const double p = st.w.size() == 0
+                           ? static_cast<double>(st.res(l))
+                           : static_cast<double>(st.w(l)) * static_cast<double>(st.res(l));
+      if (p > best) best = p, s = l;
+    }
+    ++st.proposals;
+    st.add_single_pivot(kernel, s, one, g);
+  }
+}
+
+/// R <- L^{-1} R for lower-triangular L (a x a) and a row block R (a x m): recursive block
+/// forward substitution. Mathematically Eigen's TRSM, but the halves are coupled by one GEMM
+/// (R2 -= L21 R1) so that most of the a^2 m flops run at GEMM speed; Eigen's TRSM does its
+/// diagonal panels with scalar code (measured: 2x slower than GEMM for a ~ 170, m = 16384).
+template <typename S>
+void lower_solve_in_place(const Eigen::Ref<const Matrix<S>>& L, RowsRef<S> R) {
+  const Index a = L.rows();
+  if (a <= 16) {
+    L.template triangularView<Eigen::Lower>().solveInPlace(R);
+    return;
+  }
+  const Index h = a / 2;
+  auto R1 = R.topRows(h);
+  auto R2 = R.bottomRows(a - h);
+  lower_solve_in_place<S>(L.topLeftCorner(h, h), R1);
+  R2.noalias() -= L.bottomLeftCorner(a - h, h) * R1;
+  lower_solve_in_place<S>(L.bottomRightCorner(a - h, a - h), R2);
+}
+
+/// Columns per tile of the accelerated block update and of the Gaussian kernels' rows.
+constexpr Index kRpTile = 256;
+
+/// Runs body(t) for the independent column tiles t in [0, tiles) of a block of `rows` rows: as
+/// one `parallel_for` when there are several tiles and several rows, serially otherwise. The
+/// parallel loop matters beyond its speed-up: inside it Eigen's GEMMs stay serial, whereas a
+/// serial loop of tile GEMMs would let Eigen open one OpenMP region per GEMM (measured: 7x slower
+/// than one thread at m = 4096, r = 64 on a loaded 2-core machine). A single row (the
+/// sequential rules) is a GEMV, which Eigen never parallelises, and needs no region. Each tile is
+/// computed the same way on any thread, so results are bit-identical for any thread count.
+template <typename Body>
+void rp_for_tiles(Index tiles, Index rows, Body&& body) {
+  if (tiles > 1 && rows > 1) {
+    parallel_for(
+        tiles, [] { return 0; }, [&](Index t, int&) { body(t); });
+  } else {
+    for (Index t = 0; t < tiles; ++t) body(t);
+  }
+}
+
+/// Automatic proposal count of the next accelerated block. Deterministic (a function of counts
+/// only, never of timings, so a seed fixes the pivots): aim to fill the remaining budget given
+/// the acceptance rate of the previous block, within [min(32, m), b_max] with
+/// b_max = clamp(m / 16, 64, 1024). Rationale: forming the b x b residual block costs
+/// O(b^2 (k + d)) (GEMM) and the left-looking rejection Cholesky O(b a^2), against O(a m (k + d))
+/// for the block update of the a accepted rows, so b up to ~m / 16 keeps the rejection step a
+/// small fraction of the work, while each block must accept enough rows (ideally >= 32) for the
+/// update to run at GEMM speed.
+inline Index rp_auto_block(Index m, Index remaining, double last_rate) {
+  const Index b_max = std::min<Index>(1024, std::max<Index>(64, m / 16));
+  const Index b_min = std::min<Index>(32, m);
+  const double rate = std::max(last_rate, 1.0 / 16.0);
+  const auto want = static_cast<Index>(std::ceil(static_cast<double>(remaining) / rate));
+  return std::max(b_min, std::min(b_max, want));
+}
+
+/// Accelerated RPCholesky with rejection sampling (Epperly, Tropp & Webber, "Embrace rejection",
+/// arXiv 2410.03969). Per block: propose b candidates i.i.d. from p0 (the pivot distribution at
+/// the start of the block, proportional to w res0), form the b x b residual block
+/// H = K(c, c) - F(:, c)^T F(:, c), and run a Cholesky over it in candidate order that accepts
+/// candidate j with probability H_jj / res0(c_j), where H_jj is its residual given every pivot
+/// accepted so far (including earlier candidates of this block). Residuals only decrease, so this
+/// is a probability, and an accepted candidate has law proportional to w res0 * H / res0 = w H:
+/// exactly the law of the sequential rule's next pivot (rejection sampling with fresh i.i.d.
+/// proposals). Hence the pivot sequence has the same distribution as `rp_run_sequential`'s. The
+/// a accepted rows then take one GEMM (a x k by k x m) and one triangular solve with the a x a
+/// accepted Cholesky factor, by column tiles.
+template <typename S, typename Kernel>
+void rp_run_accelerated(const Kernel& kernel, RpWork<S>& st, Rng& rng, Index block_option) {
+  std::vector<Index> cand, accepted, idx;
+  std::vector<S> u0;
+  Matrix<S> H, L, Fc, Fa;
+  Vector<S> y;
+  double last_rate = 1.0;
+  while (!st.should_stop()) {
+    const Index k0 = st.k(), remaining = st.r - k0;
+    const Index b = block_option > 0 ? block_option : rp_auto_block(st.m, remaining, last_rate);
+    st.build_prefix();
+    cand.resize(static_cast<std::size_t>(b));
+    u0.resize(static_cast<std::size_t>(b));
+    for (Index j = 0; j < b; ++j) {
+      const Index c = st.sample(uniform01(rng));
+      cand[static_cast<std::size_t>(j)] = c;
+      u0[static_cast<std::size_t>(j)] = st.res(c);
+    }
+    st.proposals += b;
+    ++st.blocks;
+
+    // Residual block H = K(c, c) - F(:, c)^T F(:, c), lower triangle (a GEMM-shaped update).
+    if (H.rows() < b) H.resize(b, b);
+    auto Hb = H.topLeftCorner(b, b);
+    rp_principal_submatrix<Kernel, S>(kernel, cand, Hb);
+    Fc.resize(k0, b);
+    for (Index j = 0; j < b; ++j) Fc.col(j) = st.F.col(cand[static_cast<std::size_t>(j)]).head(k0);
+    if (k0 > 0) Hb.template selfadjointView<Eigen::Lower>().rankUpdate(Fc.transpose(), S(-1));
+
+    // Rejection Cholesky in candidate order, left-looking: candidate j's row of the block factor
+    // against the a candidates accepted so far, y = L^{-1} H(accepted, j), gives its current
+    // residual H_jj - |y|^2 in O(a^2); candidates after the budget is filled cost nothing.
+    const Index a_max = std::min(b, remaining);
+    if (L.rows() < a_max) L.resize(a_max, a_max), y.resize(a_max);
+    accepted.clear();
+    Index examined = 0, a = 0;
+    for (Index j = 0; j < b && a < remaining; ++j, ++examined) {
+      for (Index p = 0; p < a; ++p) y(p) = Hb(j, accepted[static_cast<std::size_t>(p)]);
+      if (a > 0)
+        L.topLeftCorner(a, a).template triangularView<Eigen::Lower>().solveInPlace(y.head(a));
+      const S hjj = Hb(j, j) - y.head(a).squaredNorm();
+      const double u = uniform01(rng);
+      if (!(hjj > st.tol) ||
+          u * static_cast<double>(u0[static_cast<std::size_t>(j)]) >= static_cast<double>(hjj))
+        continue;
+      L.row(a).head(a) = y.head(a).transpose();
+      L(a, a) = std::sqrt(hjj);
+      accepted.push_back(j);
+      ++a;
+    }
+    last_rate = examined > 0 ? static_cast<double>(a) / static_cast<double>(examined) : 1.0;
+    if (a == 0) {
+      // Every candidate rejected. Almost surely the first candidate is accepted (H_00 equals its
+      // proposal residual up to round-off), so this happens when the maintained residuals and
+      // the freshly computed H_jj disagree at round-off level: resynchronise the candidates'
+      // residuals with the fresher values so the next block makes progress.
+      for (Index j = 0; j < b; ++j) {
+        const Index c = cand[static_cast<std::size_t>(j)];
+        const S h = Hb(j, j);
+        st.res(c) = h > st.tol ? std::min(h, st.res(c)) : S(0);
+      }
+      st.trace.back() = st.weighted_trace();
+      continue;
+    }
+
+    // Block update of the a accepted rows: R = K(idx, :) - F(:, idx)^T F, then L^{-1} R.
+    idx.resize(static_cast<std::size_t>(a));
+    Fa.resize(k0, a);
+    for (Index p = 0; p < a; ++p) {
+      const Index jp = accepted[static_cast<std::size_t>(p)];
+      idx[static_cast<std::size_t>(p)] = cand[static_cast<std::size_t>(jp)];
+      Fa.col(p) = Fc.col(jp);
+    }
+    auto R = st.F.middleRows(k0, a);
+    kernel.rows(idx, R);
+    // Column tiles of kRpTile: the a x tile block of R stays in cache (L2) between its GEMM
+    // update and its triangular solve instead of streaming the whole a x m block through memory
+    // once per step of the solve (measured 15-20% faster at m = 16384, a ~ 170). Tiles are
+    // independent: they run as one parallel loop (Eigen stays serial inside it), which also
+    // avoids opening one OpenMP region per small GEMM.
+    const auto Lacc = L.topLeftCorner(a, a);
+    const Index tiles = (st.m + kRpTile - 1) / kRpTile;
+    rp_for_tiles(tiles, a, [&](Index t) {
+      const Index c0 = t * kRpTile, w = std::min(kRpTile, st.m - c0);
+      auto Rt = R.middleCols(c0, w);
+      if (k0 > 0) Rt.noalias() -= Fa.transpose() * st.F.topRows(k0).middleCols(c0, w);
+      lower_solve_in_place<S>(Lacc, Rt);
+    });
+    for (Index t = 0; t < a; ++t) {
+      if (t > 0 && st.should_stop()) break;  // rel_tol / exhausted inside the block
+      if (!st.commit_row(k0 + t, idx[static_cast<std::size_t>(t)])) break;
+    }
+  }
+}
+
+}  // namespace detail
+}  // namespace effattn
