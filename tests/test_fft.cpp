@@ -295,7 +295,9 @@ TEST_CASE("concurrent calls on one const object give bitwise the sequential resu
       CHECK(et::bitwise_equal(par[std::size_t(t)], seq[std::size_t(t)]));
     // OpenMP threads calling the object, and 1 vs 2 threads inside one call.
     std::vector<Matrix<float>> omp(static_cast<std::size_t>(calls));
+#if defined(_OPENMP)
 #pragma omp parallel for schedule(dynamic, 1)
+#endif
     for (Index t = 0; t < calls; ++t) omp[std::size_t(t)] = conv(inputs[std::size_t(t)]);
     for (Index t = 0; t < calls; ++t)
       CHECK(et::bitwise_equal(omp[std::size_t(t)], seq[std::size_t(t)]));
