@@ -186,6 +186,31 @@ std::vector<Method<Scalar>> methods() {
                   return o;
                 }});
 
+  // Conv-Basis (causal by construction; compared with causal exact): budget = bases k.
+  ms.push_back({"conv_basis",
+                [](const P&) {
+                  return std::vector<Index>{4, 16, 64};
+                },
+                [](const P& p, std::string& w) {
+                  if (p.Q.rows() != p.K.rows()) w = "self-attention only (n = m)";
+                  return w.empty();
+                },
+                [](const P& p, Index b) {
+                  O o;
+                  ConvBasisOptions co;
+                  co.num_bases = b;
+                  const ConvBasisAttention<Scalar> a(co);
+                  ConvBasisResult<Scalar> last;
+                  o.seconds = median_time(p.repeat, [&] { last = a.compute(p.Q, p.K, p.V); });
+                  o.info = last.info;
+                  o.output = last.output;
+                  o.causal = true;
+                  o.config = "Scan, k <= " + std::to_string(b) + ", T " + std::to_string(co.probe);
+                  o.diag["bases_used"] = static_cast<double>(last.bases_used);
+                  o.diag["rows_recomputed"] = static_cast<double>(last.rows_recomputed);
+                  return o;
+                }});
+
   return ms;
 }
 

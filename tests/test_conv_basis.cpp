@@ -146,6 +146,19 @@ TEMPLATE_TEST_CASE("ConvBasis k = n T = 1 zero threshold is exact causal attenti
       CHECK(rel_fro_error(rb.output, ref) <= tol);
       CHECK(rel_fro_error(rg.output, ref) <= tol);
     }
+  // Q = K with unit rows: every diagonal logit is the same, so with T = 1 all probes agree and
+  // only "deviation >= threshold" (not ">") keeps every column a basis. Measured as above.
+  const Index n = 50;
+  Matrix<S> X = randn<S>(n, 6, 7);
+  X.rowwise().normalize();
+  const Matrix<S> V = randn<S>(n, 3, 8);
+  ExactOptions eo;
+  eo.causal = true;
+  const Matrix<double> ref = ExactAttention<double, policy::Naive>(eo)(
+      X.template cast<double>(), X.template cast<double>(), V.template cast<double>());
+  const auto r = CB<S>(exact_setting<S>(n)).compute(X, X, V);
+  CHECK(r.bases_used == n);
+  CHECK(rel_fro_error(r.output, ref) <= tol);
 }
 
 TEMPLATE_TEST_CASE("ConvBasis recovers a sum of sub-convolutions exactly with every policy",

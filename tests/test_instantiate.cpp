@@ -33,6 +33,12 @@ template class effattn::GaussianKernel<double>;
 template struct effattn::RpCholeskyResult<float>;
 template struct effattn::RpCholeskyResult<double>;
 template struct effattn::NystromResult<double>;
+template class effattn::ConvBasisAttention<float>;
+template class effattn::ConvBasisAttention<double>;
+template class effattn::ConvBasisAttention<double, effattn::fft::EigenFft,
+                                           effattn::conv_basis::BinarySearch>;
+template class effattn::ConvBasisAttention<float, effattn::fft::Default, effattn::conv_basis::Grid,
+                                           float>;
 template class effattn::fft::CausalConv<float>;
 template class effattn::fft::CausalConv<double>;
 template class effattn::fft::CausalConv<float, effattn::fft::EigenFft, float>;

@@ -11,8 +11,11 @@
 #include <effattn/kep_svgp.hpp>
 #include <effattn/workloads.hpp>
 
+#include <Eigen/LU>
 #include <Eigen/SVD>
 #include <algorithm>
+#include <cstdio>
+#include <cstdlib>
 #include <numeric>
 
 using namespace effattn;
@@ -28,6 +31,12 @@ template <typename Scalar>
 Matrix<Scalar> randn(Index r, Index c, std::uint64_t seed) {
   Rng rng = make_rng(seed, 31);
   return random_normal<Scalar>(r, c, rng);
+}
+
+// Prints a measured quantity when EFFATTN_TEST_VERBOSE is set: the values quoted in the
+// tolerance comments come from this output (2 threads, GCC 12 -O2 -march=native).
+void report(const char* what, double value) {
+  if (std::getenv("EFFATTN_TEST_VERBOSE")) std::printf("  [kep_svgp] %s = %.3e\n", what, value);
 }
 
 // Row-softmax kernel by long-double loops (independent of effattn's softmax).
@@ -63,7 +72,7 @@ Matrix<double> cosine_kernel(const Matrix<double>& Q, const Matrix<double>& K) {
 }
 
 Eigen::VectorXd singular_values(const Matrix<double>& A) {
-  return Eigen::JacobiSVD<Matrix<double>>(A).singularValues();
+  return Eigen::BDCSVD<Matrix<double>>(A).singularValues();
 }
 
 double spectral_norm(const Matrix<double>& A) {
@@ -133,12 +142,15 @@ TEST_CASE("KepSvgp full rank reproduces softmax attention exactly", "[kep_svgp]"
         INFO((which == 0 ? "Dense" : "Randomized") << ", rank_used " << r.rank_used);
         REQUIRE(r.info == Info::Success);
         const Matrix<double> Ks = r.ksvd.He * r.ksvd.lambda.asDiagonal() * r.ksvd.Hr.transpose();
-        // Measured: dense 2e-15, randomized 4e-15 relative (the dropped singular values of the
+        // Measured <= 1.6e-13 relative, dense and randomized (the dropped singular values of the
         // numerically rank-deficient small-d kernels are below 1e-12 sigma_1).
+        report(which == 0 ? "1 recon dense" : "1 recon rand", (P - Ks).norm() / P.norm());
+        report("1 mean maxabs", max_abs_error(r.output, ref) / vmax);
+        report("1 var max", r.variance.maxCoeff() / (vmax * vmax));
         CHECK((P - Ks).norm() <= (which == 0 ? 1e-12 : 1e-10) * P.norm());
-        // Measured <= 3e-15.
+        // Measured <= 5.3e-14 * max(1, |V|_max).
         CHECK(max_abs_error(r.output, ref) <= 1e-11 * vmax);
-        // Variance = residual of dropped singular values <= 1e-12 sigma_1: measured <= 1e-28.
+        // Variance = residual of dropped singular values <= 1e-12 sigma_1: measured <= 2.2e-16.
         CHECK(r.variance.maxCoeff() <= 1e-12 * vmax * vmax);
       }
     }
@@ -154,7 +166,11 @@ TEST_CASE("KepSvgp cosine kernel is exact once s reaches d", "[kep_svgp]") {
   const auto f = run<double, ks::Factorized, ks::CosineKernel>(Q, K, V, d);
   const auto r = run<double, ks::Randomized, ks::CosineKernel>(Q, K, V, d);
   const auto e = run<double, ks::Dense, ks::CosineKernel>(Q, K, V, d);
-  // Measured 3e-16 .. 2e-15.
+  // Measured 8e-16 .. 1e-15.
+  report("1c cosine factorized", rel_fro_error(f.output, ref));
+  report("1c cosine randomized", rel_fro_error(r.output, ref));
+  report("1c cosine dense", rel_fro_error(e.output, ref));
+  report("1c cosine var", f.variance.maxCoeff() / V.squaredNorm());
   CHECK(rel_fro_error(f.output, ref) <= 1e-12);
   CHECK(rel_fro_error(r.output, ref) <= 1e-10);
   CHECK(rel_fro_error(e.output, ref) <= 1e-12);
@@ -177,7 +193,8 @@ TEST_CASE("KepSvgp singular values match a dense SVD of the kernel", "[kep_svgp]
   const Eigen::VectorXd sv = Eigen::BDCSVD<Matrix<double>>(P).singularValues();
   const auto r = run<double, ks::Dense>(Q, K, V, 20);
   REQUIRE(r.rank_used == 20);
-  // Measured 5e-16 sigma_1.
+  // Measured 4.9e-16 sigma_1.
+  report("2 dense sv", (r.ksvd.lambda - sv.head(20)).cwiseAbs().maxCoeff() / sv(0));
   CHECK((r.ksvd.lambda - sv.head(20)).cwiseAbs().maxCoeff() <= 1e-12 * sv(0));
   for (Index k = 1; k < r.rank_used; ++k) CHECK(r.ksvd.lambda(k) <= r.ksvd.lambda(k - 1));
   CHECK(r.ksvd.lambda.minCoeff() > 0);
@@ -200,7 +217,8 @@ TEST_CASE("KepSvgp randomized SVD recovers a fast-decaying spectrum", "[kep_svgp
   o.power_iters = 2;
   const auto r = run<double, ks::Randomized, ks::LinearKernel>(Q, W, randn<double>(m, 2, 12), s, o);
   REQUIRE(r.rank_used == s);
-  // Measured 3e-16 sigma_1.
+  // Measured 6.7e-16 sigma_1.
+  report("2 rand sv", (r.ksvd.lambda - sig.head(s)).cwiseAbs().maxCoeff() / sig(0));
   CHECK((r.ksvd.lambda - sig.head(s)).cwiseAbs().maxCoeff() <= 1e-8 * sig(0));
 }
 
@@ -215,7 +233,8 @@ TEST_CASE("KepSvgp randomized SVD error is within the HMT bound on softmax kerne
     const Matrix<double> Ks = r.ksvd.E * r.ksvd.Hr.transpose();
     const double err = spectral_norm(P - Ks);
     INFO("logit scale " << logit << ": err / sigma_{s+1} = " << err / sv(s));
-    // Measured ratios 1.00 .. 1.06.
+    // Measured ratio err / sigma_{s+1} = 1.00 (near-optimal) for all three scales.
+    report("2 hmt softmax err/sigma", err / sv(s));
     CHECK(err <= 2 * sv(s) + 1e-12 * sv(0));
   }
   // On the library workloads (smaller s relative to the spectrum), same bound.
@@ -226,6 +245,7 @@ TEST_CASE("KepSvgp randomized SVD error is within the HMT bound on softmax kerne
     const auto r = run<double, ks::Randomized>(w.Q, w.K, w.V, 16);
     const double err = spectral_norm(P - r.ksvd.E * r.ksvd.Hr.transpose());
     INFO(kind << ": err / sigma_{s+1} = " << err / sv(16));
+    report("2 hmt workload err/sigma", err / sv(16));
     CHECK(err <= 2 * sv(16) + 1e-12 * sv(0));
   }
 }
@@ -239,11 +259,13 @@ TEST_CASE("KepSvgp KSVD identities hold", "[kep_svgp]") {
   const auto r = run<double, ks::Dense>(Q, K, randn<double>(m, 4, 18), s);
   const auto& k = r.ksvd;
   const Matrix<double> I = Matrix<double>::Identity(s, s);
-  // Measured 1e-15.
+  // Measured 5e-15.
+  report("3 orth", (k.He.transpose() * k.He - I).cwiseAbs().maxCoeff());
+  report("3 KHr", (P * k.Hr - k.He * k.lambda.asDiagonal()).norm() / P.norm());
   CHECK((k.He.transpose() * k.He - I).cwiseAbs().maxCoeff() <= 1e-12);
   CHECK((k.Hr.transpose() * k.Hr - I).cwiseAbs().maxCoeff() <= 1e-12);
   const Matrix<double> L = k.lambda.asDiagonal();
-  // Measured 1e-16 relative.
+  // Measured 3e-15 relative.
   CHECK((P * k.Hr - k.He * L).norm() <= 1e-10 * P.norm());
   CHECK((P.transpose() * k.He - k.Hr * L).norm() <= 1e-10 * P.norm());
   CHECK((P * P.transpose() * k.He - k.He * L * L).norm() <= 1e-10 * P.squaredNorm());
@@ -277,7 +299,8 @@ TEST_CASE("KepSvgp mean and variance equal the documented formulas", "[kep_svgp]
     REQUIRE(k.rank_used == s);
     const Matrix<double> Li = k.lambda.cwiseInverse().asDiagonal();
     const Matrix<double> Ekn = P * k.Hr;  // E_X recomputed from the oracle kernel
-    // mean = E Lambda^-1 m_u. Measured 3e-16.
+    // mean = E Lambda^-1 m_u. Measured 4.4e-16.
+    report("4 vp mean", rel_fro_error(full.output, Ekn * Li * vp.m_u));
     CHECK(rel_fro_error(full.output, Ekn * Li * vp.m_u) <= 1e-12);
     // Unit prior with variational parameters (PriorScale::Auto).
     CHECK((full.prior_variance.array() == 1.0).all());
@@ -287,9 +310,11 @@ TEST_CASE("KepSvgp mean and variance equal the documented formulas", "[kep_svgp]
       const Matrix<double> S =
           vp.L_u[static_cast<std::size_t>(c)] * vp.L_u[static_cast<std::size_t>(c)].transpose();
       const Eigen::VectorXd dapprox = (Ekn * Li * S * Li * Ekn.transpose()).diagonal();
-      // Measured 2e-16 relative.
+      // Measured 6.4e-16 (Approx) and 1.9e-14 (Full - Approx) relative.
+      report("4 approx var", (approx.variance.col(c) - dapprox).norm() / dapprox.norm());
       CHECK((approx.variance.col(c) - dapprox).norm() <= 1e-10 * dapprox.norm() + 1e-14);
       const Eigen::VectorXd diff = full.variance.col(c) - approx.variance.col(c);
+      report("4 full-approx", (diff - resid.diagonal()).norm() / resid.diagonal().norm());
       CHECK((diff - resid.diagonal()).norm() <= 1e-10 * resid.diagonal().norm() + 1e-14);
     }
   }
@@ -298,7 +323,8 @@ TEST_CASE("KepSvgp mean and variance equal the documented formulas", "[kep_svgp]
   const Eigen::JacobiSVD<Matrix<double>> svd(P, Eigen::ComputeThinU | Eigen::ComputeThinV);
   const Matrix<double> Ks = svd.matrixU().leftCols(s) * svd.singularValues().head(s).asDiagonal() *
                             svd.matrixV().leftCols(s).transpose();
-  CHECK(rel_fro_error(r.output, Ks * V) <= 1e-12);  // measured 4e-16
+  report("4 default mean", rel_fro_error(r.output, Ks * V));
+  CHECK(rel_fro_error(r.output, Ks * V) <= 1e-12);
   for (Index c = 0; c < dv; ++c) {
     const double sig2 = V.col(c).squaredNorm() / static_cast<double>(m);
     CHECK(std::abs(r.prior_variance(c) - sig2) <= 1e-14 * sig2);
@@ -327,17 +353,21 @@ TEST_CASE("KepSvgp variance is non-negative, non-increasing in s and zero at ful
     const auto r = run<double, ks::Dense>(Q, K, V, s);
     INFO("s = " << s);
     CHECK(r.variance.minCoeff() >= 0);
+    if (s > 1) report("5 var increase", (r.variance - prev).maxCoeff() / scale);
     if (s > 1) CHECK((r.variance.array() <= prev.array() + 1e-12 * scale).all());
     prev = r.variance;
     // sum_i res_row_i = sum_{m > s} sigma_m^2.
     const double tail = sv.tail(n - r.rank_used).squaredNorm();
+    report("5 res sum", std::abs(r.ksvd.res_row.sum() - tail) / sv.squaredNorm());
     CHECK(std::abs(r.ksvd.res_row.sum() - tail) <= 1e-10 * sv.squaredNorm() + 1e-10 * tail);
-    // Randomized: total variance non-increasing (measured monotone for every s).
+    // Randomized: total variance non-increasing (measured ratio <= 0.86 between consecutive s).
     const auto rr = run<double, ks::Randomized>(Q, K, V, s);
     CHECK(rr.variance.minCoeff() >= 0);
+    if (s > 1) report("5 rand sum ratio", rr.variance.sum() / prev_sum_rand);
     CHECK(rr.variance.sum() <= prev_sum_rand * (1 + 1e-8));
     prev_sum_rand = rr.variance.sum();
   }
+  report("5 var full rank", prev.maxCoeff() / scale);
   CHECK(prev.maxCoeff() <= 1e-12 * scale);
 }
 
@@ -353,7 +383,8 @@ TEST_CASE("KepSvgp predicted variance ranks the realised error of the rank-s mea
       const Eigen::VectorXd err = (r.output - exact).rowwise().squaredNorm();
       const double rho = spearman(pred, err);
       INFO(kind << ", s = " << s << ": Spearman " << rho);
-      // Measured: clustered 0.93 / 0.90, positional 0.96 / 0.93 (s = 8 / 32).
+      // Measured: clustered 0.96 / 0.90, positional 0.92 / 0.84 (s = 8 / 32).
+      report(s == 8 ? "5b spearman s8" : "5b spearman s32", rho);
       CHECK(rho >= 0.5);
     }
   }
@@ -378,16 +409,19 @@ TEST_CASE("KepSvgp samples have the posterior moments", "[kep_svgp]") {
     Matrix<double> sum = Matrix<double>::Zero(n, dv), sq = sum;
     double c01 = 0;  // cross-token covariance of tokens 0 and 1, column 0
     for (Index t = 0; t < draws; ++t) {
-      const Matrix<double> x = f.sample(Q, K, r, mode, rng, &vp) - r.output;
+      const Matrix<double> x =
+          testing::with_threads(1, [&] { return f.sample(Q, K, r, mode, rng, &vp); }) - r.output;
       sum += x;
       sq += x.cwiseProduct(x);
       c01 += x(0, 0) * x(1, 0);
     }
     const double N = static_cast<double>(draws);
     const Matrix<double> mean = sum / N, var = sq / N;
+    report("6 mc mean z", (mean.array().abs() / (r.variance.array() / N).sqrt()).maxCoeff());
+    report("6 mc var rel", ((var - r.variance).array().abs() / r.variance.array()).maxCoeff());
     INFO((mode == ks::SampleMode::Joint ? "Joint" : "Marginal"));
+    // Measured: |mean| <= 2.1 standard errors; variance within 2.1% (SE ~1% at 20000 draws).
     CHECK((mean.array().abs() <= 5 * (r.variance.array() / N).sqrt()).all());
-    // n = 20000 gives ~1% standard error of a variance.
     CHECK(((var - r.variance).array().abs() <= 0.05 * r.variance.array()).all());
     const Matrix<double> S = vp.L_u[0] * vp.L_u[0].transpose();
     const double cov01 = (r.ksvd.E.row(0) * Li * S * Li * r.ksvd.E.row(1).transpose())(0, 0);
@@ -405,7 +439,9 @@ TEST_CASE("KepSvgp samples have the posterior moments", "[kep_svgp]") {
   Matrix<double> sq = Matrix<double>::Zero(n, dv);
   Rng rng = make_rng(5);
   for (Index t = 0; t < draws; ++t) {
-    const Matrix<double> x = g.sample(Q, K, rf, ks::SampleMode::Joint, rng) - rf.output;
+    const Matrix<double> x =
+        testing::with_threads(1, [&] { return g.sample(Q, K, rf, ks::SampleMode::Joint, rng); }) -
+        rf.output;
     sq += x.cwiseProduct(x);
   }
   CHECK(
@@ -436,6 +472,7 @@ TEST_CASE("KepSvgp KL of eq. 21 matches the dense Gaussian KL", "[kep_svgp]") {
     ks::VariationalParams<double> one;
     one.m_u = vp.m_u.col(c);
     one.L_u = {vp.L_u[static_cast<std::size_t>(c)]};
+    report("7 kl rel", std::abs(ks::kl_divergence(lambda, one) - kl) / kl);
     CHECK(std::abs(ks::kl_divergence(lambda, one) - kl) <= 1e-10 * std::abs(kl));
     CHECK(kl > 0);
     total += kl;
@@ -466,11 +503,13 @@ TEST_CASE("KepSvgp KSVD loss vanishes exactly at the KSVD", "[kep_svgp]") {
   const Matrix<double> We = Pk.transpose() * r.ksvd.Hr, Wr = Pq.transpose() * r.ksvd.He;
   const Matrix<double> E = Pq * We, R = Pk * Wr;
   const double sl = r.ksvd.lambda.sum();
-  // Measured 1e-29 (sum lambda)^2.
+  // Measured 1.2e-31 (sum lambda)^2.
+  report("8 ksvd loss", ks::ksvd_loss(E, R, r.ksvd.lambda, We, Wr) / (sl * sl));
   CHECK(ks::ksvd_loss(E, R, r.ksvd.lambda, We, Wr) <= 1e-10 * sl * sl);
-  Matrix<double> We2 = We;
-  We2(0, 0) += 0.1;
-  CHECK(ks::ksvd_loss(Matrix<double>(Pq * We2), R, r.ksvd.lambda, We2, Wr) > 1e-6 * sl * sl);
+  // W_e -> 1.1 W_e: J = (-0.605 - 0.5 + 1.1) sum lambda, loss = 2.5e-5 (sum lambda)^2.
+  const Matrix<double> We2 = 1.1 * We;
+  const double pert = ks::ksvd_loss(Matrix<double>(Pq * We2), R, r.ksvd.lambda, We2, Wr);
+  CHECK(std::abs(pert - 2.5e-5 * sl * sl) <= 1e-9 * sl * sl);
   // Mean reduction divides the two quadratic sums by the token counts.
   const double se = (E.array().square().matrix() * r.ksvd.lambda.cwiseInverse()).sum() / n;
   const double sr = (R.array().square().matrix() * r.ksvd.lambda.cwiseInverse()).sum() / m;
@@ -504,7 +543,8 @@ TEST_CASE("KepSvgp symmetric kernels give identical branches", "[kep_svgp]") {
   for (const auto* r : {&c, &e}) {
     const Matrix<double> Pe = r->ksvd.He * r->ksvd.He.transpose();
     const Matrix<double> Pr = r->ksvd.Hr * r->ksvd.Hr.transpose();
-    CHECK((Pe - Pr).cwiseAbs().maxCoeff() <= 1e-10);  // measured 1e-15
+    report("9 projector", (Pe - Pr).cwiseAbs().maxCoeff());
+    CHECK((Pe - Pr).cwiseAbs().maxCoeff() <= 1e-10);
     CHECK(max_abs_error(r->output.topRows(n), r->output.bottomRows(n)) <=
           1e-10 * r->output.cwiseAbs().maxCoeff());
     CHECK(max_abs_error(r->variance.topRows(n), r->variance.bottomRows(n)) <=
@@ -550,6 +590,8 @@ TEST_CASE("KepSvgp is reproducible across calls and thread counts", "[kep_svgp]"
   const Matrix<double> ex =
       loop_attention(Q.cast<double>(), K.cast<double>(), V.cast<double>(), 0.25, false);
   const double ea = rel_fro_error(a.output, ex), eg = rel_fro_error(g.output, ex);
+  report("10 seed a err", ea);
+  report("10 seed g err", eg);
   CHECK(std::abs(ea - eg) <= 0.1 * std::max(ea, eg));
 }
 
@@ -699,7 +741,8 @@ TEST_CASE("KepSvgp float matches the double oracle", "[kep_svgp]") {
   const Matrix<double> P = softmax_kernel(Q.cast<double>(), K.cast<double>(), 1 / std::sqrt(8.0));
   const Matrix<double> ref = P * V.cast<double>();
   const auto full = run<float, ks::Randomized>(Q, K, V, n);
-  // Measured 2e-7 relative.
+  // Measured 7.5e-7 relative.
+  report("12 float full", rel_fro_error(full.output, ref));
   CHECK(rel_fro_error(full.output, ref) <= 1e-4);
   const Eigen::VectorXd sv = singular_values(P);
   for (Index s : {4, 16}) {
@@ -709,6 +752,9 @@ TEST_CASE("KepSvgp float matches the double oracle", "[kep_svgp]") {
     const Matrix<double> Ks = svd.matrixU().leftCols(s) *
                               svd.singularValues().head(s).asDiagonal() *
                               svd.matrixV().leftCols(s).transpose();
+    report("12 float mean", rel_fro_error(r.output, Ks * V.cast<double>()));
+    report("12 float sv",
+           (r.ksvd.lambda.cast<double>() - sv.head(s)).cwiseAbs().maxCoeff() / sv(0));
     CHECK(rel_fro_error(r.output, Ks * V.cast<double>()) <= 1e-4);
     Eigen::VectorXd expect = (P - Ks).rowwise().squaredNorm();
     const double sig2 = V.col(0).cast<double>().squaredNorm() / static_cast<double>(n);
@@ -722,7 +768,8 @@ TEST_CASE("KepSvgp float matches the double oracle", "[kep_svgp]") {
 TEMPLATE_TEST_CASE("KepSvgp conforms at full rank", "[conformance][kep_svgp]", float, double) {
   effattn::testing::ConformanceConfig cfg;
   cfg.name = "KepSvgpAttention";
-  // Full rank (s = min(n, m)) reproduces attention; measured 3e-7 (float), 1e-15 (double).
+  cfg.shapes = {{128, 128, 16, 16}, {61, 150, 8, 12}};
+  // Full rank (s = min(n, m)) reproduces attention; measured <= 1.3e-6 (float), <= 4e-15 (double).
   cfg.tolerance = [](workloads::Kind) {
     return std::is_same<TestType, float>::value ? 1e-4 : 1e-10;
   };

@@ -644,3 +644,116 @@ TEST_CASE("Bad inputs and options throw", "[wildcat]") {
   CompressedKV<double> c2 = ckv;
   CHECK_THROWS_AS(c2.append(K.leftCols(2), V), effattn::invalid_argument);
 }
+
+TEST_CASE("RPNys residual expectations: mean(H - Hhat) below Phi^r(H)", "[wildcat][statistical]") {
+  // Spec test 7 (valid forms only, spec 4.3): with Phi(A) = A - A^2 / tr(A),
+  // E[H - Hhat_r] <= Phi^r(H) in the Loewner order, hence ||mean(H - Hhat)||_op <=
+  // lambda_1(Phi^r(H)) and mean tr(H - Hhat) <= tr(Phi^r(H)). 400 runs, 10% slack. H is the
+  // tempered key kernel of the (single) bin, Hhat = H(:, S) W from the exposed weights.
+  const Index m = 60, d = 3;
+  const Matrix<double> K = randn<double>(m, d, 81);
+  const Matrix<double> Kc = K.rowwise() - K.colwise().mean();
+  for (const Index r : {Index(3), Index(6)}) {
+    WildcatOptions o;
+    o.rank = r;
+    o.q_radius = 0;
+    Matrix<double> mean_res = Matrix<double>::Zero(m, m);
+    double tau2 = 0;
+    const int runs = 400;
+    for (int run = 0; run < runs; ++run) {
+      o.seed = static_cast<std::uint64_t>(run);
+      const CompressedKV<double> ckv = compress_kv(Kc, Matrix<double>::Identity(m, m), 1.0, o);
+      tau2 = ckv.blocks[0].tau2;  // depends on the keys only: the same in every run
+      const double s = 1 / std::sqrt(3.0) / tau2;
+      const Matrix<double> H = (s * Kc * Kc.transpose()).array().exp().matrix();
+      const Matrix<double> W = weights_from_identity_cache(ckv);
+      Matrix<double> HS(m, ckv.size());
+      for (Index j = 0; j < ckv.size(); ++j)
+        HS.col(j) = H.col(ckv.pivots[static_cast<std::size_t>(j)]);
+      mean_res += (H - HS * W) / runs;
+    }
+    const double s = 1 / std::sqrt(3.0) / tau2;
+    Matrix<double> phi = (s * Kc * Kc.transpose()).array().exp().matrix();
+    for (Index i = 0; i < r; ++i) phi -= phi * phi / phi.trace();
+    const Matrix<double> sym = (mean_res + mean_res.transpose()) / 2;
+    const double lhs_op =
+        Eigen::SelfAdjointEigenSolver<Matrix<double>>(sym).eigenvalues().cwiseAbs().maxCoeff();
+    const double rhs_op =
+        Eigen::SelfAdjointEigenSolver<Matrix<double>>(phi).eigenvalues().maxCoeff();
+    if (verbose())
+      std::cout << "[wildcat] r=" << r << " ||mean res||_op " << lhs_op << " lambda1(Phi^r) "
+                << rhs_op << " mean tr " << mean_res.trace() << " tr(Phi^r) " << phi.trace()
+                << "\n";
+    CHECK(lhs_op <= 1.1 * rhs_op);
+    CHECK(mean_res.trace() <= 1.1 * phi.trace());
+  }
+}
+
+TEST_CASE("Q = 0: not exact at low rank, but within the certified bound; exact at r >= m",
+          "[wildcat]") {
+  const Matrix<double> Q = Matrix<double>::Zero(10, 4), K = randn<double>(80, 4, 91),
+                       V = randn<double>(80, 3, 92);
+  const Matrix<double> ref = exact_of(Q, K, V);  // = mean(V) in every row
+  WildcatOptions o;
+  o.rank = 10;
+  const auto r = WildcatAttentiond(o).compute(Q, K, V);
+  CHECK(max_abs_error(r.output, ref) <= r.error_bound + 1e-12);
+  o.rank = 80;
+  CHECK(max_abs_error(WildcatAttentiond(o)(Q, K, V), ref) <= 1e-12);
+}
+
+TEST_CASE("Clipping keeps every entry in the value range, also on adversarial values",
+          "[wildcat]") {
+  // V = indicator columns of single keys: the outputs are single attention probabilities, which
+  // negative Nystrom weights push below 0 when unclipped (d = 8, m = 256, r = 4..16: 11-30
+  // entries out of range measured), so the check below can fail.
+  const Matrix<double> Q = randn<double>(100, 8, 55), K = randn<double>(256, 8, 56);
+  const Matrix<double> V = Matrix<double>::Identity(256, 4);
+  int outside_unclipped = 0;
+  for (const Index r : {Index(4), Index(8), Index(16)}) {
+    WildcatOptions o;
+    o.rank = r;
+    const Matrix<double> clipped = WildcatAttentiond(o)(Q, K, V);
+    CHECK(clipped.minCoeff() >= 0.0);
+    CHECK(clipped.maxCoeff() <= 1.0);
+    o.clip = false;
+    const Matrix<double> raw = WildcatAttentiond(o)(Q, K, V);
+    outside_unclipped +=
+        static_cast<int>((raw.array() < 0.0).count() + (raw.array() > 1.0).count());
+    // Clipping only moves entries towards the true value (which lies in the range).
+    const Matrix<double> ref = exact_of(Q, K, V);
+    CHECK(((clipped - ref).cwiseAbs().array() <= (raw - ref).cwiseAbs().array() + 1e-15).all());
+  }
+  CHECK(outside_unclipped > 0);
+}
+
+TEST_CASE("The error bound equals its formula recomputed from dense matrices", "[wildcat]") {
+  // Single bin, double: the residual trace from the dense H_tau - H_tau(:, S) W, R_K and tau^2,
+  // then x_i and the row bound exactly as documented in WildcatResult::error_bound.
+  const Index m = 150, d = 4;
+  const Matrix<double> Q = sphere(40, d, 0.7, 31), K = sphere(m, d, 0.7, 32),
+                       V = randn<double>(m, 3, 33);
+  WildcatOptions o;
+  o.rank = 24;
+  o.scale = 1.0;
+  const auto res = WildcatAttentiond(o).compute(Q, K, V);
+  const double RQ = Q.rowwise().norm().maxCoeff();
+  const CompressedKV<double> ckv = compress_kv(K, Matrix<double>::Identity(m, m), RQ, o);
+  REQUIRE(ckv.pivots == res.pivots);
+  const Matrix<double> Kc = K.rowwise() - K.colwise().mean();
+  const double tau2 = ckv.blocks[0].tau2, RK = Kc.rowwise().norm().maxCoeff();
+  const Matrix<double> H = (Kc * Kc.transpose() / tau2).array().exp().matrix();
+  Matrix<double> HS(m, ckv.size());
+  for (Index j = 0; j < ckv.size(); ++j) HS.col(j) = H.col(ckv.pivots[static_cast<std::size_t>(j)]);
+  const double tr = (H - HS * weights_from_identity_cache(ckv)).trace();
+  const double range = (V.colwise().maxCoeff() - V.colwise().minCoeff()).maxCoeff();
+  const double vmax = V.cwiseAbs().maxCoeff();
+  for (Index i = 0; i < Q.rows(); ++i) {
+    const double q = Q.row(i).norm();
+    const double x =
+        std::sqrt(std::exp(tau2 * q * q) * tr) / (std::sqrt(double(m)) * std::exp(-q * RK));
+    const double bound = std::min({x < 1 ? range * x / (1 - x) : 1e300, range, 3 * vmax * x});
+    // Measured agreement 1e-9 relative (the logged trace adds m * 100 eps e^{max sq}).
+    CHECK(std::abs(res.row_error_bound(i) - bound) <= 1e-6 * bound);
+  }
+}

@@ -3,13 +3,15 @@
 ///
 /// \mainpage effattn
 /// Header-only C++17 library of exact and approximate softmax attention on Eigen.
-/// Public headers: `exact.hpp` (ExactAttention), `eva.hpp` (EvaAttention, PerformerAttention),
+/// Public headers: `exact.hpp` (ExactAttention), `conv_basis.hpp` (ConvBasisAttention),
+/// `eva.hpp` (EvaAttention, PerformerAttention),
 /// `vcc.hpp` (VccAttention, VccTree),
 /// `workloads.hpp` (synthetic problems) and the shared utilities under `core/`. See README.md for
 /// the method table and examples.
 #pragma once
 
 #include "config.hpp"
+#include "conv_basis.hpp"
 #include "core/checks.hpp"
 #include "core/errors.hpp"
 #include "core/fft.hpp"

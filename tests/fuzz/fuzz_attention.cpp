@@ -152,6 +152,15 @@ void run(Bytes& b) {
       check(VccAttention<Scalar, vcc::BestFirstDyadic>(o).compute(Q, K, V, vip), n, V);
     else
       check(VccAttention<Scalar>(o).compute(Q, K, V, vip), n, V);
+#elif defined(EFFATTN_FUZZ_CONV_BASIS)
+    ConvBasisOptions o;
+    o.scale = scale;
+    o.num_bases = 1 + (opt2 & 15);
+    o.probe = 1 + ((opt2 >> 4) & 7);
+    o.threshold = (opt >> 1) & 1 ? 0.0 : 0.5;
+    o.window = (opt >> 2) & 1 ? 3 : 0;
+    o.block_size = (opt >> 3) & 1 ? 5 : 0;
+    check(ConvBasisAttention<Scalar>(o).compute(Q, K, V), n, V);
 #else
 #error "define one EFFATTN_FUZZ_<NAME>"
 #endif
