@@ -257,6 +257,14 @@ int run_all(const Flags& f) {
         const Mat diff = a - e;
         r.rel_err = static_cast<double>(diff.template cast<double>().norm()) / std::max(en, 1e-300);
         r.max_abs_err = static_cast<double>(diff.cwiseAbs().maxCoeff());
+        if (o.variance.size() > 0 && o.rows.empty() && diff.rows() > 1) {
+          std::vector<double> var(static_cast<std::size_t>(diff.rows())), err(var.size());
+          for (Index i = 0; i < diff.rows(); ++i) {
+            var[static_cast<std::size_t>(i)] = o.variance.row(i).template cast<double>().sum();
+            err[static_cast<std::size_t>(i)] = diff.row(i).template cast<double>().squaredNorm();
+          }
+          r.diag["var_err_spearman"] = compare::spearman(var, err);
+        }
         r.status = o.info == Info::Success ? "ok" : std::string("info: ") + to_string(o.info);
       } catch (const std::exception& ex) {
         r.status = std::string("error: ") + ex.what();

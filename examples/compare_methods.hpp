@@ -38,7 +38,39 @@ struct Output {
   std::map<std::string, double> diag;
   std::vector<Index> rows;  ///< compare only these rows (VCC: the VIP rows); empty = all
   bool causal = false;      ///< the method is causal by construction (Conv-Basis)
+  /// Per-entry predictive variance (KEP-SVGP), n x dv; empty otherwise. When set, the driver
+  /// reports the Spearman rank correlation over tokens of the row's total variance with the
+  /// row's realised squared error against exact attention ("var_err_spearman").
+  Matrix<Scalar> variance;
 };
+
+/// Spearman rank correlation of x and y (average ranks for ties).
+inline double spearman(const std::vector<double>& x, const std::vector<double>& y) {
+  auto ranks = [](const std::vector<double>& v) {
+    std::vector<std::size_t> idx(v.size());
+    for (std::size_t i = 0; i < idx.size(); ++i) idx[i] = i;
+    std::sort(idx.begin(), idx.end(), [&](std::size_t a, std::size_t b) { return v[a] < v[b]; });
+    std::vector<double> r(v.size());
+    for (std::size_t i = 0; i < idx.size();) {
+      std::size_t j = i;
+      while (j + 1 < idx.size() && v[idx[j + 1]] == v[idx[i]]) ++j;
+      for (std::size_t k = i; k <= j; ++k) r[idx[k]] = 0.5 * static_cast<double>(i + j);
+      i = j + 1;
+    }
+    return r;
+  };
+  const std::vector<double> rx = ranks(x), ry = ranks(y);
+  const double n = static_cast<double>(x.size());
+  double mx = 0, my = 0;
+  for (std::size_t i = 0; i < x.size(); ++i) mx += rx[i] / n, my += ry[i] / n;
+  double sxy = 0, sxx = 0, syy = 0;
+  for (std::size_t i = 0; i < x.size(); ++i) {
+    sxy += (rx[i] - mx) * (ry[i] - my);
+    sxx += (rx[i] - mx) * (rx[i] - mx);
+    syy += (ry[i] - my) * (ry[i] - my);
+  }
+  return sxx > 0 && syy > 0 ? sxy / std::sqrt(sxx * syy) : std::numeric_limits<double>::quiet_NaN();
+}
 
 /// One table row.
 struct Run {
@@ -208,6 +240,66 @@ std::vector<Method<Scalar>> methods() {
                   o.config = "Scan, k <= " + std::to_string(b) + ", T " + std::to_string(co.probe);
                   o.diag["bases_used"] = static_cast<double>(last.bases_used);
                   o.diag["rows_recomputed"] = static_cast<double>(last.rows_recomputed);
+                  return o;
+                }});
+
+  // WildCat: RPNys coreset of the keys; budget = coreset size r (total over bins).
+  ms.push_back({"wildcat",
+                [](const P& p) {
+                  std::vector<Index> b;
+                  for (Index r : {Index(64), Index(256), Index(1024)})
+                    if (r < p.K.rows()) b.push_back(r);
+                  if (b.empty()) b.push_back(p.K.rows());
+                  return b;
+                },
+                [](const P& p, std::string& w) {
+                  if (p.causal) w = "no causal mode (the paper's limitation)";
+                  return w.empty();
+                },
+                [](const P& p, Index b) {
+                  O o;
+                  WildcatOptions wo;
+                  wo.rank = b;
+                  wo.seed = p.seed;
+                  const WildcatAttention<Scalar> a(wo);
+                  WildcatResult<Scalar> last;
+                  o.seconds = median_time(p.repeat, [&] { last = a.compute(p.Q, p.K, p.V); });
+                  o.info = last.info;
+                  o.output = last.output;
+                  o.config = "RPNys, r " + std::to_string(b) + ", B " + std::to_string(wo.bins);
+                  o.diag["pivots"] = static_cast<double>(last.rank);
+                  o.diag["error_bound"] = last.error_bound;
+                  return o;
+                }});
+
+  // KEP-SVGP: rank-s kernel SVD (randomized) of the row-softmax kernel; budget = s. The mean is
+  // compared with exact attention; the variance's rank correlation with the realised error is
+  // reported by the driver.
+  ms.push_back({"kep_svgp",
+                [](const P& p) {
+                  std::vector<Index> b;
+                  for (Index s : {Index(8), Index(32), Index(128)})
+                    if (s < std::min(p.Q.rows(), p.K.rows())) b.push_back(s);
+                  if (b.empty()) b.push_back(std::min(p.Q.rows(), p.K.rows()));
+                  return b;
+                },
+                [](const P& p, std::string& w) {
+                  if (p.causal) w = "no causal mode";
+                  return w.empty();
+                },
+                [](const P& p, Index b) {
+                  O o;
+                  KepSvgpOptions ko;
+                  ko.rank = b;
+                  ko.seed = p.seed;
+                  const KepSvgpAttention<Scalar> a(ko);
+                  KepSvgpResult<Scalar> last;
+                  o.seconds = median_time(p.repeat, [&] { last = a.compute(p.Q, p.K, p.V); });
+                  o.info = last.info;
+                  o.output = last.output;
+                  o.variance = last.variance;
+                  o.config = "Randomized SVD, s " + std::to_string(b);
+                  o.diag["rank_used"] = static_cast<double>(last.rank_used);
                   return o;
                 }});
 

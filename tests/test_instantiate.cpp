@@ -39,6 +39,18 @@ template class effattn::ConvBasisAttention<double, effattn::fft::EigenFft,
                                            effattn::conv_basis::BinarySearch>;
 template class effattn::ConvBasisAttention<float, effattn::fft::Default, effattn::conv_basis::Grid,
                                            float>;
+template class effattn::WildcatAttention<float>;
+template class effattn::WildcatAttention<double>;
+template class effattn::WildcatAttention<double, effattn::policy::RandomlyPivoted>;
+template struct effattn::CompressedKV<float>;
+template struct effattn::CompressedKV<double>;
+template class effattn::KepSvgpAttention<float>;
+template class effattn::KepSvgpAttention<double>;
+template class effattn::KepSvgpAttention<double, effattn::kepsvgp::SoftmaxRowKernel,
+                                         effattn::kepsvgp::Dense, effattn::kepsvgp::Addition>;
+template class effattn::KepSvgpAttention<float, effattn::kepsvgp::CosineKernel,
+                                         effattn::kepsvgp::Factorized,
+                                         effattn::kepsvgp::Concatenation>;
 template class effattn::fft::CausalConv<float>;
 template class effattn::fft::CausalConv<double>;
 template class effattn::fft::CausalConv<float, effattn::fft::EigenFft, float>;
@@ -51,6 +63,8 @@ TEST_CASE("Every public class template instantiates for float and double", "[ins
   STATIC_REQUIRE(std::is_same<effattn::ExactAttentionf::Options, effattn::ExactOptions>::value);
   STATIC_REQUIRE(std::is_same<effattn::EvaAttentionf, effattn::EvaAttention<float>>::value);
   STATIC_REQUIRE(std::is_same<effattn::EvaAttentiond::Options, effattn::EvaOptions>::value);
+  STATIC_REQUIRE(std::is_same<effattn::WildcatAttentionf::Options, effattn::WildcatOptions>::value);
+  STATIC_REQUIRE(std::is_same<effattn::KepSvgpAttentiond::Options, effattn::KepSvgpOptions>::value);
   STATIC_REQUIRE(effattn::is_rp_kernel_v<effattn::ExpDotKernelf>);
   STATIC_REQUIRE(effattn::is_rp_kernel_v<effattn::GaussianKerneld>);
   STATIC_REQUIRE(EFFATTN_VERSION == ((EFFATTN_VERSION_MAJOR << 16) | (EFFATTN_VERSION_MINOR << 8) |

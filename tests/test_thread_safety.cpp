@@ -102,6 +102,30 @@ TEMPLATE_TEST_CASE("One const functor shared by 8 threads equals sequential call
   check_concurrent("VccAttention", count, [&](int i) {
     return vcc(at(i).Q, at(i).K, at(i).V, {0, 5, 9});
   });
+
+  ConvBasisOptions cbo;
+  cbo.num_bases = 6;
+  cbo.probe = 4;
+  const ConvBasisAttention<Scalar> conv(cbo);  // FFTW plans from the shared cache
+  check_concurrent("ConvBasisAttention", count,
+                   [&](int i) { return conv(at(i).Q, at(i).K, at(i).V); });
+
+  WildcatOptions wo;
+  wo.rank = 24;
+  wo.bins = 2;
+  const WildcatAttention<Scalar> wildcat(wo);
+  check_concurrent("WildcatAttention", count,
+                   [&](int i) { return wildcat(at(i).Q, at(i).K, at(i).V); });
+
+  KepSvgpOptions ko;
+  ko.rank = 8;
+  const KepSvgpAttention<Scalar> kep(ko);
+  check_concurrent("KepSvgpAttention", count, [&](int i) {
+    const auto r = kep.compute(at(i).Q, at(i).K, at(i).V);
+    Matrix<Scalar> both(r.output.rows(), 2 * r.output.cols());
+    both << r.output, r.variance;
+    return both;
+  });
 }
 
 TEMPLATE_TEST_CASE("FFT convolution: plans created and executed from 8 threads at once",

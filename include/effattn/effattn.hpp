@@ -4,8 +4,8 @@
 /// \mainpage effattn
 /// Header-only C++17 library of exact and approximate softmax attention on Eigen.
 /// Public headers: `exact.hpp` (ExactAttention), `conv_basis.hpp` (ConvBasisAttention),
-/// `eva.hpp` (EvaAttention, PerformerAttention),
-/// `vcc.hpp` (VccAttention, VccTree),
+/// `eva.hpp` (EvaAttention, PerformerAttention), `kep_svgp.hpp` (KepSvgpAttention),
+/// `vcc.hpp` (VccAttention, VccTree), `wildcat.hpp` (WildcatAttention, compress_kv),
 /// `workloads.hpp` (synthetic problems) and the shared utilities under `core/`. See README.md for
 /// the method table and examples.
 #pragma once
@@ -24,6 +24,8 @@
 #include "core/types.hpp"
 #include "eva.hpp"
 #include "exact.hpp"
+#include "kep_svgp.hpp"
 #include "vcc.hpp"
 #include "version.hpp"
+#include "wildcat.hpp"
 #include "workloads.hpp"

@@ -1,11 +1,12 @@
 // libFuzzer target for one effattn functor, chosen at compile time with -DEFFATTN_FUZZ_<NAME>
-// (EXACT, NAIVE, EVA, PERFORMER, VCC, ...). The input bytes decode shapes, options and matrix
-// contents (NaN, Inf, denormals, huge and tiny magnitudes, duplicated and zero rows); the target
-// checks the library contract:
+// (EXACT, NAIVE, EVA, PERFORMER, VCC, CONV_BASIS, WILDCAT, KEP_SVGP). The input bytes decode
+// shapes, options and matrix contents (NaN, Inf, denormals, huge and tiny magnitudes, duplicated
+// and zero rows); the target checks the library contract:
 //  - either a documented exception (effattn::invalid_argument) is thrown,
 //  - or the output is n x dv, and info == Success implies every entry is finite, and every finite
 //    entry lies inside [min, max] of its column of V (up to round-off): all these methods return
-//    convex combinations of value rows.
+//    convex combinations of value rows (KEP-SVGP: |o_ic| <= ||V_c||_2 and variance >= 0, see
+//    check_kep).
 // Any other exception, a crash or a sanitizer report is a bug (libFuzzer stops and saves the
 // input). Built by tests/fuzz/CMakeLists.txt with clang -fsanitize=fuzzer,address,undefined.
 #include <effattn/effattn.hpp>
@@ -62,6 +63,36 @@ Matrix<Scalar> matrix(Bytes& b, Index r, Index c, std::uint8_t flags) {
   if ((flags & 1) && r > 1) x.bottomRows(r - 1).rowwise() = x.row(0);  // duplicated rows
   if ((flags & 2) && r > 2) x.row(r / 2).setZero();                    // a zero row
   return x;
+}
+
+/// KEP-SVGP: the rank-s mean K H H^T V of a row-softmax kernel is not a convex combination, but
+/// every row of K H H^T has 2-norm <= 1, so |o_ic| <= ||V_c||_2; the variance is >= 0.
+template <typename Scalar>
+void check_kep(const KepSvgpResult<Scalar>& r, Index n, const Matrix<Scalar>& V) {
+  if (r.output.rows() != n || r.output.cols() != V.cols() || r.variance.rows() != n ||
+      r.variance.cols() != V.cols()) {
+    std::fprintf(stderr, "wrong output or variance shape\n");
+    std::abort();
+  }
+  for (Index c = 0; c < V.cols(); ++c) {
+    const double bound = V.col(c).template cast<double>().norm();
+    for (Index i = 0; i < n; ++i) {
+      const double o = static_cast<double>(r.output(i, c));
+      const double v = static_cast<double>(r.variance(i, c));
+      if (!std::isfinite(o) || !std::isfinite(v)) {
+        if (r.info == Info::Success) {
+          std::fprintf(stderr, "non-finite mean or variance with info Success\n");
+          std::abort();
+        }
+        continue;
+      }
+      if (std::abs(o) > bound * (1 + 1e-3) + 1e-3 || v < 0) {
+        std::fprintf(stderr, "mean %g at (%ld, %ld) above ||V_c|| = %g, or variance %g < 0\n", o,
+                     static_cast<long>(i), static_cast<long>(c), bound, v);
+        std::abort();
+      }
+    }
+  }
 }
 
 template <typename Scalar>
@@ -161,6 +192,24 @@ void run(Bytes& b) {
     o.window = (opt >> 2) & 1 ? 3 : 0;
     o.block_size = (opt >> 3) & 1 ? 5 : 0;
     check(ConvBasisAttention<Scalar>(o).compute(Q, K, V), n, V);
+#elif defined(EFFATTN_FUZZ_WILDCAT)
+    WildcatOptions o;
+    o.scale = scale;
+    o.rank = opt2 & 15;  // 0 must throw
+    o.bins = 1 + ((opt2 >> 4) & 3);
+    o.seed = flags;
+    o.rel_tol = (opt >> 1) & 1 ? 1e-3 : 0.0;
+    o.fallback = (opt >> 2) & 1 ? wildcat::Fallback::Midpoint : wildcat::Fallback::Zero;
+    o.causal = causal && ((opt >> 3) & 1);  // must throw
+    check(WildcatAttention<Scalar>(o).compute(Q, K, V), n, V);
+#elif defined(EFFATTN_FUZZ_KEP_SVGP)
+    KepSvgpOptions o;
+    o.scale = scale;
+    o.rank = opt2 & 15;  // 0 must throw
+    o.oversample = (opt2 >> 4) & 7;
+    o.power_iters = (opt >> 1) & 3;
+    o.seed = flags;
+    check_kep(KepSvgpAttention<Scalar>(o).compute(Q, K, V), n, V);
 #else
 #error "define one EFFATTN_FUZZ_<NAME>"
 #endif
