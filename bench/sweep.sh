@@ -24,9 +24,9 @@ run() {  # run NAME FILTER
 run bench_exact 'exact/tiled/float/d64/(full|causal)/tall/'
 run bench_eva '^(exact/tiled|eva|performer)/float'
 run bench_vcc '^(exact/tiled|exactvip|vcc/(twolevel|bestfirst))/'
-run bench_wildcat '^(exact|wildcat)/'
+run bench_wildcat '^(exact/|wildcat/float|wildcat-bar/|shape/)'
 run bench_conv_basis '^(exact|conv_basis)/'
-run bench_kep_svgp '^(exact|kep_svgp)/'
+run bench_kep_svgp '^(exact/|kep_svgp/(randomized|dense|factorized)/|sgpa/)'
 
 {
   echo "date: $(date -u +%Y-%m-%dT%H:%MZ)"
@@ -35,7 +35,7 @@ run bench_kep_svgp '^(exact|kep_svgp)/'
   echo "compiler: $(c++ --version | head -1)"
   echo "flags: $(grep -E '^CMAKE_CXX_FLAGS(_RELEASE)?:' "$build/CMakeCache.txt" | tr '\n' ' ')"
   echo "openmp threads: ${OMP_NUM_THREADS:-$(nproc)}"
-  echo "eigen: $(grep -m1 'define EIGEN_MINOR_VERSION' /usr/include/eigen3/Eigen/src/Core/util/Macros.h | awk '{print "3." $3}')"
+  echo "eigen: $(awk '/define EIGEN_(WORLD|MAJOR|MINOR)_VERSION/ {v = v (v == "" ? "" : ".") $3} END {print v}' /usr/include/eigen3/Eigen/src/Core/util/Macros.h)"
   echo "note: shared virtual machine; compare ratios within one benchmark run, not absolute times"
 } > "$out/machine.txt"
 

@@ -246,20 +246,26 @@ TEST_CASE("Temperature: golden values, rho0, and the effect of eq. 12", "[wildca
   CHECK(e_one >= 2 * e_temp);
 }
 
-TEST_CASE("Error decreases with rank (mean over seeds) on sphere and gaussian", "[wildcat]") {
-  // Settings (b): sphere d = 16, beta R^2 = 1, and (c): gaussian d = 8; n = m = 1024, 5 seeds.
+TEST_CASE("Error decreases with rank (mean over seeds) on sphere, gaussian and clustered",
+          "[wildcat]") {
+  // Settings (b): sphere d = 16, beta R^2 = 1, (c): gaussian d = 8, and (f): the `clustered`
+  // workload (16 centres, noise 0.1, d = 16); n = m = 1024, 5 seeds.
   const std::vector<Index> ranks = {8, 32, 128, 512};
-  for (const int setting : {0, 1}) {
+  for (const int setting : {0, 1, 2}) {
     std::vector<double> fro(ranks.size(), 0), mx(ranks.size(), 0);
     for (std::uint64_t seed = 0; seed < 5; ++seed) {
-      const Index d = setting == 0 ? 16 : 8;
+      const Index d = setting == 1 ? 8 : 16;
       Matrix<double> Q, K, V;
       if (setting == 0) {
         Q = sphere(1024, d, 2.0, 300 + seed);  // R = d^(1/4) = 2: beta R^2 = 1
         K = sphere(1024, d, 2.0, 400 + seed);
-      } else {
+      } else if (setting == 1) {
         Q = randn<double>(1024, d, 300 + seed);
         K = randn<double>(1024, d, 400 + seed);
+      } else {
+        auto w = workloads::make<double>(workloads::Kind::Clustered, 1024, d, 300 + seed);
+        Q = std::move(w.Q);
+        K = std::move(w.K);
       }
       V = randn<double>(1024, d, 500 + seed);
       const Matrix<double> ref = exact_of(Q, K, V);
