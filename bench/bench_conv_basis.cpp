@@ -29,8 +29,10 @@
 
 using namespace effattn;
 using effattn::bench::cached_workload;
+using effattn::bench::loglog_slope;
 using effattn::bench::sampled_rel_error;
 using effattn::bench::set_threads;
+using effattn::bench::timed_loop;
 
 namespace {
 
@@ -45,18 +47,6 @@ struct Sample {
 std::map<std::string, std::map<Index, Sample>>& results() {
   static std::map<std::string, std::map<Index, Sample>> r;
   return r;
-}
-
-template <typename F>
-double timed_loop(benchmark::State& state, F&& f) {
-  const auto t0 = std::chrono::steady_clock::now();
-  std::int64_t iters = 0;
-  for (auto _ : state) {
-    f();
-    ++iters;
-  }
-  const double sec = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  return iters > 0 ? sec / static_cast<double>(iters) : 0;
 }
 
 // `positional` with noise 0 (only the smooth drift under RoPE), cached per n.
@@ -208,20 +198,6 @@ void register_all() {
   benchmark::RegisterBenchmark("conv_basis/smoke/scan/k16", [=](benchmark::State& s) {
     bm_conv(s, sf, "conv_basis/smoke/scan/k16", true);
   })->Arg(512);
-}
-
-double loglog_slope(const std::map<Index, Sample>& pts, Index n_min) {
-  double sx = 0, sy = 0, sxx = 0, sxy = 0, k = 0;
-  for (const auto& [n, s] : pts) {
-    if (s.seconds <= 0 || n < n_min) continue;
-    const double x = std::log(static_cast<double>(n)), y = std::log(s.seconds);
-    sx += x;
-    sy += y;
-    sxx += x * x;
-    sxy += x * y;
-    k += 1;
-  }
-  return k >= 2 ? (k * sxy - sx * sy) / (k * sxx - sx * sx) : std::nan("");
 }
 
 void print_summary() {

@@ -31,8 +31,10 @@
 using namespace effattn;
 using effattn::bench::attention_gflops;
 using effattn::bench::cached_workload;
+using effattn::bench::loglog_slope;
 using effattn::bench::sampled_rel_error;
 using effattn::bench::set_threads;
+using effattn::bench::timed_loop;
 
 namespace {
 
@@ -47,18 +49,6 @@ struct Sample {
 std::map<std::string, std::map<Index, Sample>>& results() {
   static std::map<std::string, std::map<Index, Sample>> r;
   return r;
-}
-
-template <typename F>
-double timed_loop(benchmark::State& state, F&& f) {
-  const auto t0 = std::chrono::steady_clock::now();
-  std::int64_t iters = 0;
-  for (auto _ : state) {
-    f();
-    ++iters;
-  }
-  const double sec = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  return iters > 0 ? sec / static_cast<double>(iters) : 0;
 }
 
 // Shapes: n queries, m keys, value width dv.
@@ -206,21 +196,6 @@ void register_all() {
       bm_wildcat(s, {256, 256, kD}, o, fam, "");
     })->Arg(256);
   }
-}
-
-// Least-squares slope of log(time) against log(n).
-double loglog_slope(const std::map<Index, Sample>& pts) {
-  double sx = 0, sy = 0, sxx = 0, sxy = 0, k = 0;
-  for (const auto& [n, s] : pts) {
-    if (s.seconds <= 0) continue;
-    const double x = std::log(static_cast<double>(n)), y = std::log(s.seconds);
-    sx += x;
-    sy += y;
-    sxx += x * x;
-    sxy += x * y;
-    k += 1;
-  }
-  return k >= 2 ? (k * sxy - sx * sy) / (k * sxx - sx * sx) : std::nan("");
 }
 
 void print_summary() {

@@ -4,6 +4,9 @@
 
 #include <benchmark/benchmark.h>
 
+#include <chrono>
+#include <cmath>
+#include <cstdint>
 #include <map>
 #include <memory>
 #include <string>
@@ -80,6 +83,37 @@ inline benchmark::Counter attention_gflops(Index n, Index m, Index d, Index dv) 
   const double flops =
       2.0 * static_cast<double>(n) * static_cast<double>(m) * static_cast<double>(d + dv);
   return benchmark::Counter(flops * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
+}
+
+/// Runs the benchmark loop over `f` and returns the wall time per iteration (the benchmarks'
+/// own clock, recorded for the ratio summaries printed after the run).
+template <typename F>
+double timed_loop(benchmark::State& state, F&& f) {
+  const auto t0 = std::chrono::steady_clock::now();
+  std::int64_t iters = 0;
+  for (auto _ : state) {
+    f();
+    ++iters;
+  }
+  const double sec = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  return iters > 0 ? sec / static_cast<double>(iters) : 0;
+}
+
+/// Least-squares slope of log(seconds) against log(n) over the points of `pts` (a map from n to
+/// a sample with a `seconds` member) with n >= n_min; NaN with fewer than two points.
+template <typename Map>
+double loglog_slope(const Map& pts, Index n_min = 0) {
+  double sx = 0, sy = 0, sxx = 0, sxy = 0, k = 0;
+  for (const auto& [n, s] : pts) {
+    if (s.seconds <= 0 || n < n_min) continue;
+    const double x = std::log(static_cast<double>(n)), y = std::log(s.seconds);
+    sx += x;
+    sy += y;
+    sxx += x * x;
+    sxy += x * y;
+    k += 1;
+  }
+  return k >= 2 ? (k * sxy - sx * sy) / (k * sxx - sx * sx) : std::nan("");
 }
 
 }  // namespace bench

@@ -14,6 +14,7 @@
 #include <effattn/workloads.hpp>
 
 #include <cmath>
+#include <limits>
 #include <vector>
 
 using namespace effattn;
@@ -630,6 +631,34 @@ TEMPLATE_TEST_CASE("ConvBasis degenerate sizes and huge logits", "[conv_basis]",
   const Matrix<double> ref = ExactAttention<double, policy::Naive>(eo)(
       Q.template cast<double>(), K.template cast<double>(), V.template cast<double>());
   CHECK(rel_fro_error(r.output, ref) <= tol);
+}
+
+TEMPLATE_TEST_CASE("ConvBasis reports overflowing logits instead of returning stale rows",
+                   "[conv_basis]", float, double) {
+  // Regression for the fuzz input tests/fuzz/regressions/conv_basis_overflowing_logits.bin: finite
+  // Q, K whose logits scale * q.k overflow to +inf. The evaluation used to stop with
+  // NumericalIssue but leave the uninitialised (zero) output behind, which is outside the range of
+  // V. Exact attention reports the same condition (its logits overflow too).
+  using S = TestType;
+  const S big = std::numeric_limits<S>::max() / 4;
+  Matrix<S> Q = Matrix<S>::Constant(16, 1, big), K = Matrix<S>::Constant(16, 1, big);
+  Q(8, 0) = 0;
+  K(8, 0) = 0;
+  const Matrix<S> V = Matrix<S>::Constant(16, 2, S(3));
+  for (const Index bs : {Index(0), Index(5)}) {
+    ConvBasisOptions o;
+    o.num_bases = 6;
+    o.block_size = bs;
+    const auto r = CB<S>(o).compute(Q, K, V);
+    CHECK(r.info == Info::NumericalIssue);
+    REQUIRE(r.output.rows() == 16);
+    REQUIRE(r.output.cols() == 2);
+    CHECK(r.output.array().isNaN().all());
+    CHECK_THROWS_AS(CB<S>(o)(Q, K, V), numerical_error);
+  }
+  ExactOptions eo;
+  eo.causal = true;
+  CHECK(ExactAttention<S>(eo).compute(Q, K, V).info != Info::Success);
 }
 
 TEST_CASE("ConvBasis rejects bad inputs and options", "[conv_basis]") {

@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -300,7 +301,10 @@ class ConvBasisAttention {
     r.entries_evaluated += b.entries;
     r.threshold_used = b.threshold_used;
     if (!ev.finite) {
+      // Logits overflowed (e.g. |scale q.k| beyond the Scalar range): report it, and never leave
+      // stale or partial rows behind that could be mistaken for a result.
       r.info = Info::NumericalIssue;
+      r.output.setConstant(std::numeric_limits<Scalar>::quiet_NaN());
       return false;
     }
     r.output.middleRows(row0, b.n) = ev.output;
