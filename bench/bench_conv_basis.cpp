@@ -32,6 +32,7 @@ using effattn::bench::cached_workload;
 using effattn::bench::loglog_slope;
 using effattn::bench::sampled_rel_error;
 using effattn::bench::set_threads;
+using effattn::bench::timed_compute;
 using effattn::bench::timed_loop;
 
 namespace {
@@ -89,14 +90,8 @@ void bm_conv(benchmark::State& state, const Functor& f, const std::string& famil
   const int threads = set_threads(0);
   const auto& w = cached_workload<float>(workloads::Kind::Positional, n, n, kD, kD);
   typename Functor::Result r;
-  const double sec = timed_loop(state, [&] {
-    r = f.compute(w.Q, w.K, w.V);
-    benchmark::DoNotOptimize(r.output.data());
-  });
-  if (r.info != Info::Success) {
-    state.SkipWithError("compute did not succeed");
-    return;
-  }
+  const double sec = timed_compute(state, f, w.Q, w.K, w.V, r);
+  if (sec < 0) return;
   Sample s;
   s.seconds = sec;
   s.bases = r.bases_used;

@@ -33,6 +33,7 @@ using effattn::bench::cached_workload;
 using effattn::bench::loglog_slope;
 using effattn::bench::sampled_rel_error;
 using effattn::bench::set_threads;
+using effattn::bench::timed_compute;
 using effattn::bench::timed_loop;
 
 namespace {
@@ -95,14 +96,8 @@ void bm_method(benchmark::State& state, const Functor& f, bool causal, const std
   const int threads = set_threads(0);
   const auto& w = cached_workload<float>(workloads::Kind::Gaussian, n, n, kD, kD);
   typename Functor::Result r;
-  const double sec = timed_loop(state, [&] {
-    r = f.compute(w.Q, w.K, w.V);
-    benchmark::DoNotOptimize(r.output.data());
-  });
-  if (r.info != Info::Success) {
-    state.SkipWithError("compute did not succeed");
-    return;
-  }
+  const double sec = timed_compute(state, f, w.Q, w.K, w.V, r);
+  if (sec < 0) return;
   Sample smp;
   smp.seconds = sec;
   smp.logits = r.max_logits;
@@ -215,12 +210,5 @@ void print_summary() {
 }  // namespace
 
 int main(int argc, char** argv) {
-  effattn::bench::default_threads();  // record OMP_NUM_THREADS before any benchmark changes it
-  register_all();
-  benchmark::Initialize(&argc, argv);
-  if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
-  benchmark::RunSpecifiedBenchmarks();
-  benchmark::Shutdown();
-  print_summary();
-  return 0;
+  return effattn::bench::run_benchmarks(argc, argv, register_all, print_summary);
 }

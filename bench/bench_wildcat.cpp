@@ -34,6 +34,7 @@ using effattn::bench::cached_workload;
 using effattn::bench::loglog_slope;
 using effattn::bench::sampled_rel_error;
 using effattn::bench::set_threads;
+using effattn::bench::timed_compute;
 using effattn::bench::timed_loop;
 
 namespace {
@@ -90,14 +91,8 @@ void bm_wildcat(benchmark::State& state, Shape sh, WildcatOptions o, const std::
   const auto& w = cached_workload<float>(workloads::Kind::Sphere, sh.n, sh.m, kD, sh.dv);
   const WildcatAttention<float> f(o);
   WildcatResult<float> r;
-  const double sec = timed_loop(state, [&] {
-    r = f.compute(w.Q, w.K, w.V);
-    benchmark::DoNotOptimize(r.output.data());
-  });
-  if (r.info != Info::Success) {
-    state.SkipWithError("compute did not succeed");
-    return;
-  }
+  const double sec = timed_compute(state, f, w.Q, w.K, w.V, r);
+  if (sec < 0) return;
   Sample smp;
   smp.seconds = sec;
   smp.rank = r.rank;
@@ -223,12 +218,5 @@ void print_summary() {
 }  // namespace
 
 int main(int argc, char** argv) {
-  effattn::bench::default_threads();  // record OMP_NUM_THREADS before any benchmark changes it
-  register_all();
-  benchmark::Initialize(&argc, argv);
-  if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
-  benchmark::RunSpecifiedBenchmarks();
-  benchmark::Shutdown();
-  print_summary();
-  return 0;
+  return effattn::bench::run_benchmarks(argc, argv, register_all, print_summary);
 }

@@ -99,6 +99,34 @@ double timed_loop(benchmark::State& state, F&& f) {
   return iters > 0 ? sec / static_cast<double>(iters) : 0;
 }
 
+/// Times `f.compute(Q, K, V)` with timed_loop, keeping the last result in `r`. Returns the
+/// seconds per call, or -1 after marking the benchmark skipped when `r.info != Success`.
+template <typename Functor, typename Result, typename Mat>
+double timed_compute(benchmark::State& state, const Functor& f, const Mat& Q, const Mat& K,
+                     const Mat& V, Result& r) {
+  const double sec = timed_loop(state, [&] {
+    r = f.compute(Q, K, V);
+    benchmark::DoNotOptimize(r.output.data());
+  });
+  if (r.info != Info::Success) {
+    state.SkipWithError("compute did not succeed");
+    return -1;
+  }
+  return sec;
+}
+
+/// The main() of a benchmark binary with registered families and a summary printed afterwards.
+inline int run_benchmarks(int argc, char** argv, void (*register_all)(), void (*summary)()) {
+  default_threads();  // record OMP_NUM_THREADS before any benchmark changes it
+  register_all();
+  benchmark::Initialize(&argc, argv);
+  if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
+  benchmark::RunSpecifiedBenchmarks();
+  benchmark::Shutdown();
+  summary();
+  return 0;
+}
+
 /// Least-squares slope of log(seconds) against log(n) over the points of `pts` (a map from n to
 /// a sample with a `seconds` member) with n >= n_min; NaN with fewer than two points.
 template <typename Map>
