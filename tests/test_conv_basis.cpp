@@ -661,6 +661,40 @@ TEMPLATE_TEST_CASE("ConvBasis reports overflowing logits instead of returning st
   CHECK(ExactAttention<S>(eo).compute(Q, K, V).info != Info::Success);
 }
 
+TEMPLATE_TEST_CASE("ConvBasis guard bound survives underflowing kernel norms", "[conv_basis]",
+                   float, double) {
+  // Regression for tests/fuzz/regressions/conv_basis_underflowing_kernel_norm.bin (a 600 s
+  // fuzz_conv_basis run): one block of a block-diagonal, window-3 problem had the basis below,
+  // whose kernels exp(U_r - mu) are ~1e-183 .. 0. The guard's FFT error bound used
+  // ||c_r||_2 = norm(), whose squares underflow to 0, so the bound was 0 and rows 3 and 4 (true
+  // denominators ~1e-205, FFT round-off ~1e-200) came back as +-4.5e5 with info Success, far
+  // outside V's range [-2, 0]. The oracle is the basis's own logits, softmaxed in long double.
+  using S = TestType;
+  conv_basis::Basis b;
+  b.n = 5;
+  b.starts = {0, 1, 2};
+  b.columns.resize(3);
+  b.columns[0] = Vector<double>::Zero(3);
+  b.columns[1] = (Vector<double>(3) << -421.4921875, -471.875, -613.25).finished();
+  b.columns[2] = (Vector<double>(3) << -471.875, -613.25, -613.25).finished();
+  Matrix<double> H = Matrix<double>::Constant(5, 5, -1e300);  // masked entries unused
+  for (Index i = 0; i < 5; ++i)
+    for (Index j = std::max<Index>(0, i - 2); j <= i; ++j)
+      H(i, j) = b.columns[std::min<std::size_t>(static_cast<std::size_t>(j), 2)](i - j);
+  Matrix<S> V = Matrix<S>::Constant(5, 3, S(-2));
+  V.row(0).setZero();
+  const Matrix<double> ref = masked_softmax(H, V.template cast<double>(), 3);
+  ConvBasisOptions o;
+  o.window = 3;
+  const auto r = CB<S>(o).apply(b, V);
+  REQUIRE(r.info == Info::Success);
+  CHECK(r.rows_recomputed >= 2);
+  // Inside V's range up to round-off (row 0 is 0 +- 1e-200 from the FFT).
+  CHECK(r.output.maxCoeff() <= S(1e-6));
+  CHECK(r.output.minCoeff() >= S(-2.000001));
+  CHECK(max_abs_error(r.output, ref) <= (sizeof(S) == 8 ? 1e-12 : 1e-6));
+}
+
 TEST_CASE("ConvBasis rejects bad inputs and options", "[conv_basis]") {
   using F = CB<double>;
   const Matrix<double> Q = randn<double>(16, 4, 60), K = randn<double>(16, 4, 61),

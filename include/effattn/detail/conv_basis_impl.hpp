@@ -363,8 +363,12 @@ Evaluation<Scalar> evaluate(const Basis& b, const ConstRef<Scalar>& V, const Eva
     t.kernel = (b.columns[static_cast<std::size_t>(r)].array() - mu).exp().matrix();
     t.offset = b.starts[static_cast<std::size_t>(r)];
     t.end = r + 1 < k ? b.starts[static_cast<std::size_t>(r + 1)] : n;
-    const double xnorm = Vd.middleRows(t.offset, t.end - t.offset).colwise().norm().maxCoeff();
-    fft_err += t.kernel.norm() * xnorm;
+    // blueNorm, not norm(): the kernel entries exp(U - mu) can be ~1e-183, whose squares
+    // underflow to 0; a zero bound then let FFT round-off of that size through the guard on rows
+    // whose denominator is smaller still (found by fuzz_conv_basis, see the regression test
+    // "ConvBasis guard bound survives underflowing kernel norms").
+    const double xnorm = Vd.middleRows(t.offset, t.end - t.offset).colwise().blueNorm().maxCoeff();
+    fft_err += t.kernel.blueNorm() * xnorm;
   }
   // Denominators: D_i = sum_r sum_{lag in [max(0, i - e_r + 1), min(i - s_r, K_r - 1)]} c_r[lag].
   Vector<double> D = Vector<double>::Zero(n), D_err = Vector<double>::Zero(n);
