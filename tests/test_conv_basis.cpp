@@ -695,6 +695,43 @@ TEMPLATE_TEST_CASE("ConvBasis guard bound survives underflowing kernel norms", "
   CHECK(max_abs_error(r.output, ref) <= (sizeof(S) == 8 ? 1e-12 : 1e-6));
 }
 
+TEMPLATE_TEST_CASE("ConvBasis guard is per column of V", "[conv_basis]", float, double) {
+  // Regression for tests/fuzz/regressions/conv_basis_guard_per_column.bin (a 600 s
+  // fuzz_conv_basis run): in one window-3 block, column 0 of V holds 1e200 and the weights span
+  // e^-393 .. 1. The guard's tolerance was row_tol * max|V| over all columns, i.e. an absolute
+  // 1e191, so the FFT round-off of column 0 (~1e29 * eps) leaked into the constant column 2 as
+  // 0 and 8e154 (range [-2, -2]) with info Success. It is now per column. Oracle: the basis's
+  // logits softmaxed in long double.
+  using S = TestType;
+  conv_basis::Basis b;
+  b.n = 5;
+  b.starts = {0, 3, 4};
+  b.columns = {Vector<double>::Constant(3, -393.0), Vector<double>::Zero(2),
+               Vector<double>::Constant(1, -393.0)};
+  Matrix<double> H = Matrix<double>::Constant(5, 5, -1e300);  // masked entries unused
+  for (Index j = 0; j < 5; ++j) {
+    const std::size_t r = j < 3 ? 0 : (j < 4 ? 1 : 2);
+    for (Index i = j; i < std::min<Index>(5, j + b.columns[r].size()); ++i)
+      H(i, j) = b.columns[r](i - j);
+  }
+  const S huge = sizeof(S) == 8 ? S(1e200) : S(1e30);
+  Matrix<S> V(5, 3);
+  V << huge, S(-2), S(-2), huge, S(-2), S(-2), huge, S(37), S(-2), S(2.0625), S(-2), S(-2),
+      S(-1.9375), S(-2), S(-2);
+  const Matrix<double> ref = masked_softmax(H, V.template cast<double>(), 3);
+  ConvBasisOptions o;
+  o.window = 3;
+  const auto r = CB<S>(o).apply(b, V);
+  REQUIRE(r.info == Info::Success);
+  const double tol = sizeof(S) == 8 ? 1e-12 : 1e-6;
+  for (Index c = 0; c < 3; ++c) {
+    INFO("column " << c);
+    const double vmax = V.col(c).template cast<double>().cwiseAbs().maxCoeff();
+    CHECK(max_abs_error(r.output.col(c), ref.col(c)) <= tol * vmax);
+  }
+  CHECK((r.output.col(2).array() == S(-2)).all());
+}
+
 TEST_CASE("ConvBasis rejects bad inputs and options", "[conv_basis]") {
   using F = CB<double>;
   const Matrix<double> Q = randn<double>(16, 4, 60), K = randn<double>(16, 4, 61),

@@ -183,6 +183,26 @@ TEST_CASE("KepSvgp cosine kernel is exact once s reaches d", "[kep_svgp]") {
   CHECK(g.variance.sum() > 1e-3);
 }
 
+TEST_CASE("KepSvgp cosine kernel is invariant to huge and small row scales", "[kep_svgp]") {
+  // The cosine kernel only sees directions: rows scaled by 1e200 or 1e-6 must give the same
+  // result (rows with norm below 1e-12 are divided by 1e-12 instead, torch's normalize rule).
+  // With a plain norm() the squares of 1e200 overflowed and such rows became zero rows; the
+  // oracle is the unscaled problem.
+  const Index n = 40, m = 30, d = 5, dv = 3;
+  const Matrix<double> Q = randn<double>(n, d, 41), K = randn<double>(m, d, 42),
+                       V = randn<double>(m, dv, 43);
+  Matrix<double> Qs = Q, Ks = K;
+  Qs.topRows(10) *= 1e200;
+  Qs.middleRows(10, 10) *= 1e-6;
+  Ks.topRows(8) *= 1e200;
+  Ks.bottomRows(8) *= 1e-6;
+  const auto a = run<double, ks::Factorized, ks::CosineKernel>(Q, K, V, 3);
+  const auto b = run<double, ks::Factorized, ks::CosineKernel>(Qs, Ks, V, 3);
+  REQUIRE(b.info == Info::Success);
+  CHECK(rel_fro_error(b.output, a.output) <= 1e-12);
+  CHECK(rel_fro_error(b.variance, a.variance) <= 1e-10);
+}
+
 // ---- 2. Singular values -----------------------------------------------------------------------
 
 TEST_CASE("KepSvgp singular values match a dense SVD of the kernel", "[kep_svgp]") {

@@ -49,8 +49,8 @@ struct ConvBasisOptions {
   bool causal = true;
   /// Dynamic-range guard (spec 7, P5): recompute rows whose FFT result may have lost accuracy.
   bool guard = true;
-  /// Guard tolerance on the estimated error of a row relative to max |V|; 0 = 1e-9 when the FFTs
-  /// run in double, 1e-4 in float.
+  /// Guard tolerance on the estimated error of a row, per column c relative to max |V_c|; 0 = 1e-9
+  /// when the FFTs run in double, 1e-4 in float.
   double guard_tolerance = 0;
   /// How the conv sum is evaluated: Fft (default), Direct (dense n x n, for tests and tiny n)
   /// or Auto (fft::prefer_direct; may form an n x n matrix for small n).

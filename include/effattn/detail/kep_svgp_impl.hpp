@@ -263,9 +263,11 @@ void kep_prepare_dense(KepKernelCtx<Scalar>& c, const ConstRef<Scalar>& Q,
 }
 
 /// Rows of X divided by max(||x||, 1e-12) (torch.nn.functional.normalize): zero rows stay zero.
+/// blueNorm: a plain norm() squares the entries, so rows of ~1e200 became zero rows (the norm
+/// overflowed to inf). Rows with norm below 1e-12 are divided by 1e-12, as torch does.
 template <typename Scalar>
 Matrix<Scalar> kep_l2_normalize(const ConstRef<Scalar>& X) {
-  const Eigen::VectorXd nrm = X.template cast<double>().rowwise().norm();
+  const Eigen::VectorXd nrm = X.template cast<double>().rowwise().blueNorm();
   return (nrm.cwiseMax(1e-12).cwiseInverse().template cast<Scalar>().asDiagonal() * X);
 }
 
