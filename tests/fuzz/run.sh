@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Builds the libFuzzer targets with clang and runs each for SECONDS (default 20) from a fixed
-# seed, with the regression inputs in tests/fuzz/regressions/ as the starting corpus. A crash,
-# sanitizer report or contract violation fails the run (libFuzzer saves the input as crash-*).
+# seed, with the regression inputs in tests/fuzz/regressions/ as the starting corpus, as many
+# targets at once as there are cores (EFFATTN_FUZZ_JOBS overrides). A crash, sanitizer report or
+# contract violation fails the run (libFuzzer saves the input as build/fuzz/<target>-crash-*).
 #   bash tests/fuzz/run.sh [SECONDS] [TARGET...]
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
@@ -16,17 +17,35 @@ if [ ${#targets[@]} -eq 0 ]; then
   targets=($(sed -n 's/^set(EFFATTN_FUZZ_TARGETS \(.*\)$/\1/p' tests/fuzz/CMakeLists.txt))
 fi
 cmake --build "$build" -j2 --target "${targets[@]/#/fuzz_}"
-for t in "${targets[@]}"; do
-  corpus="$build/corpus_$t"
-  mkdir -p "$corpus"
-  echo "== fuzz_$t for ${secs} s"
-  log="$build/fuzz_$t.log"
-  if (cd "$build" && ./fuzz_$t -seed=1 -max_total_time="$secs" -max_len=2048 -timeout=10 \
-        -print_final_stats=1 "corpus_$t" ../../tests/fuzz/regressions) >"$log" 2>&1; then
-    grep -E "^Done|stat::(number_of_executed_units|new_units_added)" "$log"
-  else
-    cat "$log"
-    echo "fuzz_$t FAILED (input saved as $build/crash-*)" >&2
-    exit 1
-  fi
+# Runs one target; its log goes to $build/fuzz_<target>.log.
+run_one() {
+  local t=$1
+  mkdir -p "$build/corpus_$t"
+  (cd "$build" && ./fuzz_$t -seed=1 -max_total_time="$secs" -max_len=2048 -timeout=10 \
+     -artifact_prefix="./$t-" -print_final_stats=1 "corpus_$t" ../../tests/fuzz/regressions) \
+    >"$build/fuzz_$t.log" 2>&1
+}
+# EFFATTN_FUZZ_JOBS targets at a time (default: the number of cores), each on one core.
+jobs=${EFFATTN_FUZZ_JOBS:-$(nproc)}
+failed=0
+for ((i = 0; i < ${#targets[@]}; i += jobs)); do
+  batch=("${targets[@]:i:jobs}")
+  echo "== ${batch[*]/#/fuzz_} for ${secs} s each"
+  pids=()
+  for t in "${batch[@]}"; do
+    run_one "$t" &
+    pids+=($!)
+  done
+  for k in "${!batch[@]}"; do
+    t=${batch[k]}
+    if wait "${pids[k]}"; then
+      echo "fuzz_$t: $(grep -E "^Done" "$build/fuzz_$t.log")," \
+        "$(grep -oE "new_units_added: +[0-9]+" "$build/fuzz_$t.log" | tr -s ' ')"
+    else
+      cat "$build/fuzz_$t.log"
+      echo "fuzz_$t FAILED (input saved as $build/$t-crash-*)" >&2
+      failed=1
+    fi
+  done
+  [ "$failed" = 0 ] || exit 1
 done
