@@ -616,6 +616,35 @@ TEMPLATE_TEST_CASE("KV cache: compress once, attend, append exactly, re-compress
   CHECK(after.blocks.size() == 9);
 }
 
+TEST_CASE("WildCat reports a failed compression as NaN", "[wildcat]") {
+  // Regression for tests/fuzz/regressions/wildcat_failed_compression.bin (a 600 s fuzz_wildcat
+  // run): when the compression breaks down, compute() returned NumericalIssue with an all-zero
+  // output, finite and outside V's range. Such outputs are now NaN and operator() throws. The
+  // fuzz input (a query of norm 1e19, rel_tol 1e-3) breaks RPCholesky only without FMA
+  // (-march=native rounds its way through), so this test reaches the same path deterministically:
+  // values of 1.7e308 overflow the Nystrom weights [W V | W 1] on every build.
+  Rng rng = make_rng(5);
+  const Matrix<double> Q = random_normal<double>(11, 7, rng), K = random_normal<double>(40, 7, rng);
+  Matrix<double> V = random_normal<double>(40, 3, rng);
+  V *= 1.7e308 / V.cwiseAbs().maxCoeff();
+  WildcatOptions o;
+  o.rank = 8;
+  const auto r = WildcatAttention<double>(o).compute(Q, K, V);
+  REQUIRE(r.info == Info::NumericalIssue);
+  REQUIRE(r.output.rows() == 11);
+  REQUIRE(r.output.cols() == 3);
+  CHECK(r.output.array().isNaN().all());
+  CHECK_THROWS_AS(WildcatAttention<double>(o)(Q, K, V), numerical_error);
+  // A tenth of that range compresses fine and stays inside V's range (clipping).
+  const Matrix<double> V2 = V * 0.1;
+  const auto r2 = WildcatAttention<double>(o).compute(Q, K, V2);
+  REQUIRE(r2.info == Info::Success);
+  for (Index c = 0; c < 3; ++c) {
+    CHECK(r2.output.col(c).maxCoeff() <= V2.col(c).maxCoeff());
+    CHECK(r2.output.col(c).minCoeff() >= V2.col(c).minCoeff());
+  }
+}
+
 TEST_CASE("Bad inputs and options throw", "[wildcat]") {
   const Matrix<double> Q = randn<double>(5, 4, 1), K = randn<double>(9, 4, 2),
                        V = randn<double>(9, 3, 3);

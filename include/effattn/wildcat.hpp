@@ -426,7 +426,10 @@ class WildcatAttention {
     CompressedKV<Scalar> ckv;
     Result res;
     if (!detail::wildcat_compress_all<PivotRule, Scalar>(K, V, beta, rq, m_opts, false, ckv)) {
-      res.output = Matrix<Scalar>::Zero(Q.rows(), V.cols());
+      // NaN, not zeros: a zero row is finite and outside V's range, so it could pass for a result
+      // (found by fuzz_wildcat; regression test "WildCat reports a failed compression as NaN").
+      res.output =
+          Matrix<Scalar>::Constant(Q.rows(), V.cols(), std::numeric_limits<Scalar>::quiet_NaN());
       res.info = Info::NumericalIssue;
       return res;
     }
