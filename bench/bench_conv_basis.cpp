@@ -235,12 +235,5 @@ void print_summary() {
 }  // namespace
 
 int main(int argc, char** argv) {
-  effattn::bench::default_threads();
-  register_all();
-  benchmark::Initialize(&argc, argv);
-  if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
-  benchmark::RunSpecifiedBenchmarks();
-  benchmark::Shutdown();
-  print_summary();
-  return 0;
+  return effattn::bench::run_benchmarks(argc, argv, register_all, print_summary);
 }

@@ -61,6 +61,20 @@ Matrix<double> masked_softmax(const Matrix<double>& H, const Matrix<double>& V, 
   return Y;
 }
 
+// The logits of basis b as a dense n x n matrix: H(i, j) = U_r(i - j) for the segment r that holds
+// key j (starts[r] <= j < starts[r + 1]) and lags i - j < |U_r|; every other entry is -1e300
+// (masked; masked_softmax never reads it).
+Matrix<double> basis_logits(const conv_basis::Basis& b) {
+  Matrix<double> H = Matrix<double>::Constant(b.n, b.n, -1e300);
+  for (Index r = 0; r < b.size(); ++r) {
+    const auto& U = b.columns[static_cast<std::size_t>(r)];
+    const Index e = r + 1 < b.size() ? b.starts[static_cast<std::size_t>(r + 1)] : b.n;
+    for (Index j = b.starts[static_cast<std::size_t>(r)]; j < e; ++j)
+      for (Index i = j; i < std::min(b.n, j + U.size()); ++i) H(i, j) = U(i - j);
+  }
+  return H;
+}
+
 // H = sum_r conv(b_r, m_r): conv(b, m) holds conv(b_{1:m}) in its bottom-right m x m block.
 Matrix<double> sub_conv_sum(Index n, const std::vector<Vector<double>>& b,
                             const std::vector<Index>& m) {
@@ -677,10 +691,7 @@ TEMPLATE_TEST_CASE("ConvBasis guard bound survives underflowing kernel norms", "
   b.columns[0] = Vector<double>::Zero(3);
   b.columns[1] = (Vector<double>(3) << -421.4921875, -471.875, -613.25).finished();
   b.columns[2] = (Vector<double>(3) << -471.875, -613.25, -613.25).finished();
-  Matrix<double> H = Matrix<double>::Constant(5, 5, -1e300);  // masked entries unused
-  for (Index i = 0; i < 5; ++i)
-    for (Index j = std::max<Index>(0, i - 2); j <= i; ++j)
-      H(i, j) = b.columns[std::min<std::size_t>(static_cast<std::size_t>(j), 2)](i - j);
+  const Matrix<double> H = basis_logits(b);
   Matrix<S> V = Matrix<S>::Constant(5, 3, S(-2));
   V.row(0).setZero();
   const Matrix<double> ref = masked_softmax(H, V.template cast<double>(), 3);
@@ -708,12 +719,7 @@ TEMPLATE_TEST_CASE("ConvBasis guard is per column of V", "[conv_basis]", float, 
   b.starts = {0, 3, 4};
   b.columns = {Vector<double>::Constant(3, -393.0), Vector<double>::Zero(2),
                Vector<double>::Constant(1, -393.0)};
-  Matrix<double> H = Matrix<double>::Constant(5, 5, -1e300);  // masked entries unused
-  for (Index j = 0; j < 5; ++j) {
-    const std::size_t r = j < 3 ? 0 : (j < 4 ? 1 : 2);
-    for (Index i = j; i < std::min<Index>(5, j + b.columns[r].size()); ++i)
-      H(i, j) = b.columns[r](i - j);
-  }
+  const Matrix<double> H = basis_logits(b);
   const S huge = sizeof(S) == 8 ? S(1e200) : S(1e30);
   Matrix<S> V(5, 3);
   V << huge, S(-2), S(-2), huge, S(-2), S(-2), huge, S(37), S(-2), S(2.0625), S(-2), S(-2),

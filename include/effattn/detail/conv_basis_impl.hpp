@@ -334,11 +334,11 @@ void direct_row(const Basis& b, const Matrix<double>& Vd, Index i, Vector<double
 /// sum_r T(c_r) S_r V through `fft::CausalConv` (spectra summed per column before one inverse
 /// transform; N = smooth size >= n + longest segment - 1), denominators by exact O(k n) prefix /
 /// suffix sums in long double (the cheaper-to-cancel side per window). Guard (spec 7, P5): the
-/// FFT's absolute error is bounded by err = eps_Real log2(N) sum_r ||c_r||_2 max_c ||S_r V_c||_2
-/// (measured constant ~1-2 without the log factor), per column c of V; a row i with err_c / D_i
-/// (plus the denominator's own cancellation estimate) above row_tol max|V_c| for some column c is
-/// recomputed directly (detail::direct_row,
-/// O(i d)), and so is any row with D_i = 0 (all weights underflowed).
+/// absolute error of column c of the FFT numerator is bounded by
+/// err_c = eps_Real log2(N) sum_r ||c_r||_2 ||S_r V_c||_2 (measured constant ~1-2 without the log
+/// factor); a row i with err_c / D_i (plus the denominator's own cancellation estimate) above
+/// row_tol max|V_c| for some column c is recomputed directly (detail::direct_row, O(i d)), and so
+/// is any row with D_i = 0 (all weights underflowed).
 /// Deviations from the spec: (1) spec 2.3 calls prefix-sum denominators fully accurate, but a
 /// difference of prefix sums cancels when the excluded lags carry most of the mass; we take the
 /// side (prefix or suffix) with the smaller excluded mass, in long double, and feed the remaining
