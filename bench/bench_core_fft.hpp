@@ -16,7 +16,7 @@
 #pragma once
 #include "common.hpp"
 
-#include <effattn/core/fft.hpp>
+#include <effattn/numerics/fft.hpp>
 #include <effattn/core/random.hpp>
 
 #include <map>

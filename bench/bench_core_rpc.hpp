@@ -12,7 +12,7 @@
 // accept_rate (pivots / candidates proposed), seeds (iterations), threads.
 // Speed-ups are ratios of the seq and acc rows of one run (same process, same load).
 #pragma once
-#include <effattn/core/rp_cholesky.hpp>
+#include <effattn/numerics/rp_cholesky.hpp>
 
 #include <string>
 #include <type_traits>

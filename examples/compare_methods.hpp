@@ -4,6 +4,7 @@
 #pragma once
 
 #include <effattn/effattn.hpp>
+#include <effattn/workloads.hpp>
 
 #include <algorithm>
 #include <chrono>

@@ -1,6 +1,7 @@
 // effattn quick start: exact attention two ways on a synthetic RoPE-like workload, checked
 // against each other, with timings. Usage: effattn-quickstart [n] [d]
 #include <effattn/effattn.hpp>
+#include <effattn/workloads.hpp>
 
 #include <chrono>
 #include <cstdio>

@@ -1,10 +1,10 @@
 #include "test_utils.hpp"
-// Tests of core/fft.hpp: smooth sizes, batched causal convolution (one term and sums of
+// Tests of numerics/fft.hpp: smooth sizes, batched causal convolution (one term and sums of
 // sub-convolutions with offsets) against an independent long-double Toeplitz oracle written here,
 // the FFTW plan cache (statistics, concurrent planning and execution, wisdom round trip, unaligned
 // arrays) and argument validation. Tolerances: see the measured values quoted next to each one.
 #include <effattn/core/errors.hpp>
-#include <effattn/core/fft.hpp>
+#include <effattn/numerics/fft.hpp>
 #include <effattn/core/random.hpp>
 
 #include <algorithm>

@@ -3,6 +3,7 @@
 #include "test_utils.hpp"
 
 #include <effattn/effattn.hpp>
+#include <effattn/workloads.hpp>
 
 template class effattn::ExactAttention<float, effattn::policy::Tiled>;
 template class effattn::ExactAttention<double, effattn::policy::Tiled>;

@@ -1,7 +1,7 @@
-// Tests of core/lambert_w.hpp against mathematical identities and independently computed values.
+// Tests of numerics/lambert_w.hpp against mathematical identities and independently computed values.
 #include "test_utils.hpp"
 
-#include <effattn/core/lambert_w.hpp>
+#include <effattn/numerics/lambert_w.hpp>
 
 using effattn::lambert_w0;
 using effattn::lambert_w0_exp;

@@ -1,12 +1,12 @@
-// Tests of core/rp_cholesky.hpp and core/nystrom.hpp against independent dense oracles written
+// Tests of numerics/rp_cholesky.hpp and numerics/nystrom.hpp against independent dense oracles written
 // here (dense kernels, a textbook partial Cholesky with a given pivot order, a dense greedy
 // pivoted Cholesky, dense solves and the exact pivot probabilities of RPCholesky). Statistical
 // tests use fixed seeds and chi-square bounds at significance 1e-4 (explained in place).
 #include "test_utils.hpp"
 
-#include <effattn/core/nystrom.hpp>
+#include <effattn/numerics/nystrom.hpp>
 #include <effattn/core/random.hpp>
-#include <effattn/core/rp_cholesky.hpp>
+#include <effattn/numerics/rp_cholesky.hpp>
 
 #include <Eigen/Cholesky>
 #include <Eigen/Eigenvalues>

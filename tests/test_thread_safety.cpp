@@ -4,6 +4,7 @@
 // created, shared and looked up at the same time). Run it under ThreadSanitizer with the `tsan`
 // preset (OpenMP off there: libgomp is not TSan-instrumented).
 #include <effattn/effattn.hpp>
+#include <effattn/workloads.hpp>
 
 #include <atomic>
 #include <functional>

@@ -15,9 +15,9 @@
 
 #include "core/checks.hpp"
 #include "core/errors.hpp"
-#include "core/fft.hpp"
+#include "numerics/fft.hpp"
 #include "core/types.hpp"
-#include "detail/conv_basis_impl.hpp"
+#include "conv_basis_recovery.hpp"
 
 namespace effattn {
 

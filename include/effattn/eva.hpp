@@ -15,7 +15,7 @@
 #include "core/parallel.hpp"
 #include "core/random.hpp"
 #include "core/types.hpp"
-#include "exact.hpp"
+#include "core/online_softmax.hpp"
 
 namespace effattn {
 
@@ -306,8 +306,8 @@ class EvaAttention {
     lv[0].resize(plan.chunks, plan.chunk, d, dv, plan.samples, plan.gauss);
     if (plan.fine) lv[1].resize(plan.blocks, plan.window, d, dv, plan.samples, plan.gauss);
     const Index longest = std::min(m, std::max(plan.chunk, plan.fine ? plan.window : Index(0)));
-    const detail::ExactTilePlan tiles = detail::plan_exact_tiles(
-        plan.samples, longest, d, dv, static_cast<Index>(sizeof(Scalar)), ExactOptions{});
+    const detail::TilePlan tiles = detail::plan_tiles(
+        plan.samples, longest, d, dv, static_cast<Index>(sizeof(Scalar)), 0, 0);
     detail::EvaChunkContext<Scalar, Options> ctx{&plan, &m_eff, &Q,    &K,       &V,
                                                  &Kt,   &negnk, scale, tiles.bq, tiles.bk};
     const Index units = plan.chunks + (plan.fine ? plan.blocks : 0);

@@ -17,10 +17,7 @@
 #include "core/types.hpp"
 #include "exact.hpp"
 
-#define EFFATTN_VCC_INTERNAL
-#include "detail/vcc_select.hpp"
-#include "detail/vcc_tree.hpp"
-#undef EFFATTN_VCC_INTERNAL
+#include "vcc_tree.hpp"
 
 namespace effattn {
 

@@ -25,10 +25,10 @@
 #include <vector>
 
 #include "core/checks.hpp"
-#include "core/lambert_w.hpp"
+#include "numerics/lambert_w.hpp"
 #include "core/parallel.hpp"
 #include "core/random.hpp"
-#include "core/rp_cholesky.hpp"
+#include "numerics/rp_cholesky.hpp"
 #include "core/types.hpp"
 
 namespace effattn {

@@ -1,6 +1,7 @@
 // Consumer check: the installed headers compile, link and give exact attention that matches the
 // materialised reference.
 #include <effattn/effattn.hpp>
+#include <effattn/workloads.hpp>
 
 #include <cstdio>
 

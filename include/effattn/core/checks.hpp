@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cmath>
+#include <initializer_list>
 
 #include "errors.hpp"
 
@@ -49,6 +50,15 @@ void check_attention_inputs(const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixB
   check_finite(Q, "Q");
   check_finite(K, "K");
   check_finite(V, "V");
+}
+
+/// True when `e` is one of `all` (the enumerators of its type): validates enum options without
+/// casting to an integer and comparing with the last enumerator's value.
+template <typename Enum>
+bool is_one_of(Enum e, std::initializer_list<Enum> all) noexcept {
+  for (const Enum x : all)
+    if (e == x) return true;
+  return false;
 }
 
 /// Validates the `scale` option (0 = automatic 1/sqrt(d); otherwise finite and > 0).

@@ -9,9 +9,11 @@
 
 #include <cstdio>
 #include <cstdlib>
+#include <initializer_list>
 #include <sstream>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 
 #include "types.hpp"
 
@@ -56,12 +58,50 @@ std::string shape(const Eigen::EigenBase<Derived>& m) {
   return s.str();
 }
 
-/// Concatenate streamable pieces into a string (used only on the cold error path).
+/// One piece of an error message, converted where it is built: the message builder below is then
+/// one non-template function, and `cat(...)` instantiates only a trivial forwarding wrapper per
+/// argument list (string literals decay to `const char*`, every integer to `long long`, every
+/// floating-point value to `double`) instead of one `std::ostringstream` pipeline per signature.
+class MessagePiece {
+ public:
+  MessagePiece(const char* s) : m_text(s != nullptr ? s : "(null)") {}  // NOLINT: implicit
+  MessagePiece(const std::string& s) : m_text(s) {}                     // NOLINT: implicit
+  MessagePiece(char c) : m_text(1, c) {}                                // NOLINT: implicit
+  MessagePiece(bool b) : m_text(b ? "true" : "false") {}                // NOLINT: implicit
+  template <typename T,
+            typename std::enable_if<std::is_integral<T>::value && !std::is_same<T, bool>::value &&
+                                        !std::is_same<T, char>::value,
+                                    int>::type = 0>
+  MessagePiece(T v) : m_text(integer(static_cast<long long>(v))) {}  // NOLINT: implicit
+  template <typename T, typename std::enable_if<std::is_floating_point<T>::value, int>::type = 0>
+  MessagePiece(T v) : m_text(floating(static_cast<double>(v))) {}  // NOLINT: implicit
+  MessagePiece(Info info) : m_text(to_string(info)) {}             // NOLINT: implicit
+
+  const std::string& text() const noexcept { return m_text; }
+
+ private:
+  static std::string integer(long long v) { return std::to_string(v); }
+  // As `std::ostream << double` prints it (6 significant digits, %g).
+  static std::string floating(double v) {
+    std::ostringstream s;
+    s << v;
+    return s.str();
+  }
+  std::string m_text;
+};
+
+/// Joins message pieces (not a template: compiled once per translation unit).
+inline std::string join_message(std::initializer_list<MessagePiece> pieces) {
+  std::string out;
+  for (const MessagePiece& p : pieces) out += p.text();
+  return out;
+}
+
+/// Concatenates the pieces of an error message (used only on the cold error path). The
+/// arguments are taken by value so that string literals of every length decay to one type.
 template <typename... Args>
-std::string cat(const Args&... args) {
-  std::ostringstream s;
-  (void)std::initializer_list<int>{((void)(s << args), 0)...};
-  return s.str();
+std::string cat(Args... args) {
+  return join_message({MessagePiece(args)...});
 }
 
 }  // namespace detail

@@ -7,6 +7,7 @@
 #include <limits>
 #include <ostream>
 #include <type_traits>
+#include <vector>
 
 #include "../config.hpp"
 
@@ -43,7 +44,8 @@ enum class Info {
   Success,         ///< The result is valid.
   NumericalIssue,  ///< Non-finite values or a breakdown (e.g. a kernel matrix not positive
                    ///< definite).
-  NoConvergence,   ///< An iterative routine reached its iteration limit.
+  NoConvergence,   ///< An iterative routine reached its iteration limit (reserved: no method
+                   ///< iterates to a tolerance today, so none returns it).
   NotComputed      ///< Nothing was computed yet.
 };
 
@@ -66,20 +68,24 @@ inline std::ostream& operator<<(std::ostream& os, Info info) {
   return os << to_string(info);
 }
 
-/// Fields every method's `Result` has. Generic tests and benchmarks read only these two.
+/// One named scalar diagnostic of a Result, e.g. {"rank", 256}. `name` is a string literal.
+struct Diagnostic {
+  const char* name;  ///< identifier-like name, unique within one Result
+  double value;      ///< the value (counts and flags as doubles)
+};
+
+/// The uniform diagnostics of a Result: the method's scalar diagnostics, in a fixed order, which
+/// generic code prints without knowing the method (`Result::diagnostics()`).
+using Diagnostics = std::vector<Diagnostic>;
+
+/// Fields every method's `Result` has. Generic tests and benchmarks read only these two and
+/// `diagnostics()`, which each method's Result redefines with its own scalars.
 template <typename Scalar>
 struct AttentionResult {
   Matrix<Scalar> output;          ///< n x dv attention output.
   Info info = Info::NotComputed;  ///< Status; `output` is meaningful only when `Success`.
-};
-
-/// Per-scalar constants. `Accum` is the type sensitive reductions use (double for float).
-template <typename Scalar>
-struct ScalarTraits {
-  static_assert(std::is_same<Scalar, float>::value || std::is_same<Scalar, double>::value,
-                "effattn: Scalar must be float or double");
-  using Accum = double;
-  static constexpr Scalar epsilon() noexcept { return std::numeric_limits<Scalar>::epsilon(); }
+  /// The method's scalar diagnostics (none at this level).
+  Diagnostics diagnostics() const { return {}; }
 };
 
 namespace detail {

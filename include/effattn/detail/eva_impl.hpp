@@ -129,7 +129,7 @@ void apply_summary_map(const Map& map, const Eigen::VectorXd& x, Eigen::VectorXd
 /// Per-thread buffers of the chunk stage.
 template <typename Scalar>
 struct EvaChunkWorkspace {
-  ExactWorkspace<Scalar> ex;
+  TileWorkspace<Scalar> ex;
   Matrix<Scalar> w;  ///< S x d samples of one chunk
   Eigen::VectorXd kbar, qbar, khat, qhat, mu, var;
   Eigen::MatrixXd eps;  ///< d x S standard normals
@@ -148,7 +148,7 @@ struct EvaChunkContext {
   const Matrix<Scalar>* Kt;     ///< d x m scaled keys
   const Vector<Scalar>* negnk;  ///< m values -||k~||^2 / 2
   double scale;                 ///< s
-  Index bq, bk;                 ///< tiles of exact_tiled_block
+  Index bq, bk;                 ///< tiles of online_softmax_block
 };
 
 /// Statistics of chunk `c` of `level` (keys [k0, k1)), written into column/rows c of `lv`.
@@ -215,7 +215,7 @@ void eva_chunk_stats(const EvaChunkContext<Scalar, Opts>& ctx, int level, Index 
   const ConstRef<Scalar> W(ws.w);
   for (Index s0 = 0; s0 < S; s0 += ctx.bq) {
     const Index rows = std::min(ctx.bq, S - s0);
-    exact_tiled_block<Scalar>(W, *ctx.Kt, *ctx.V, ctx.negnk->data(), Scalar(1), false, s0, rows, k0,
+    online_softmax_block<Scalar>(W, *ctx.Kt, *ctx.V, ctx.negnk->data(), Scalar(1), false, s0, rows, k0,
                               k1, ctx.bk, ws.ex);
     for (Index r = 0; r < rows; ++r) {
       const Index s = s0 + r, col = c * S + s;

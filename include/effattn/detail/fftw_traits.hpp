@@ -1,7 +1,7 @@
 /// \file fftw_traits.hpp
 /// \brief FFTW internals of `fft::Fftw`: the fftw_/fftwf_ symbol mapping, the process-wide plan
 /// cache and the batched engine that executes cached plans. Not part of the public API (namespace
-/// effattn::detail); included by core/fft.hpp only when `EFFATTN_USE_FFTW` is defined.
+/// effattn::detail); included by numerics/fft.hpp only when `EFFATTN_USE_FFTW` is defined.
 ///
 /// Thread-safety model (FFTW 3.3 manual, "Thread safety"): only `fftw_execute` and the new-array
 /// execute functions are thread-safe. Every other FFTW call made here -- planning, destroying a

@@ -1,6 +1,6 @@
 /// \file rp_cholesky_impl.hpp
 /// \brief Internal: the loops of the three RPCholesky pivot rules. Include
-/// `<effattn/core/rp_cholesky.hpp>` instead; this header is not for users.
+/// `<effattn/numerics/rp_cholesky.hpp>` instead; this header is not for users.
 ///
 /// Notation (see rp_cholesky.hpp): K is the PSD kernel matrix the algorithm factorises (m x m),
 /// w the per-point sampling weights (all ones if the kernel has none), F the row-major factor
@@ -10,7 +10,7 @@
 #pragma once
 
 #ifndef EFFATTN_RP_CHOLESKY_INTERNAL
-#error "effattn/detail/rp_cholesky_impl.hpp is internal: include <effattn/core/rp_cholesky.hpp>"
+#error "effattn/detail/rp_cholesky_impl.hpp is internal: include <effattn/numerics/rp_cholesky.hpp>"
 #endif
 
 #include <algorithm>
@@ -76,7 +76,7 @@ template <typename K>
 constexpr void static_check_kernel() {
   static_assert(kernel_scalar<K>::valid,
                 "effattn: an RPCholesky Kernel must define `using Scalar = float or double;` "
-                "(the selection scalar; see the Kernel concept in core/rp_cholesky.hpp)");
+                "(the selection scalar; see the Kernel concept in numerics/rp_cholesky.hpp)");
   static_assert(has_kernel_size<K>::value,
                 "effattn: an RPCholesky Kernel needs `Index size() const` (the m of the m x m "
                 "kernel matrix)");

@@ -10,10 +10,6 @@
 /// thread count, and so are its ties (higher priority first, then the smaller begin).
 #pragma once
 
-#ifndef EFFATTN_VCC_INTERNAL
-#error "effattn/detail/vcc_select.hpp is internal: include <effattn/vcc.hpp>"
-#endif
-
 #include <algorithm>
 #include <cmath>
 #include <limits>
@@ -21,7 +17,7 @@
 #include <queue>
 #include <vector>
 
-#include "vcc_tree.hpp"
+#include "../vcc_tree.hpp"
 
 namespace effattn {
 namespace detail {

@@ -1,7 +1,7 @@
-/// \file conv_basis_impl.hpp
-/// \brief Internals of effattn/conv_basis.hpp: the basis description, the logit oracles, the
-/// three recovery policies and the FFT evaluator with its dynamic-range guard.
-/// Include effattn/conv_basis.hpp instead.
+/// \file conv_basis_recovery.hpp
+/// \brief The public building blocks of `<effattn/conv_basis.hpp>`: the basis description
+/// (`conv_basis::Basis`), the logit oracles, the three recovery policies (`BinarySearch`, `Scan`,
+/// `Grid`) and the FFT evaluator with its dynamic-range guard. `conv_basis.hpp` includes it.
 #pragma once
 
 #include <algorithm>
@@ -11,12 +11,12 @@
 #include <utility>
 #include <vector>
 
-#include "../core/checks.hpp"
-#include "../core/errors.hpp"
-#include "../core/fft.hpp"
-#include "../core/parallel.hpp"
-#include "../core/softmax.hpp"
-#include "../core/types.hpp"
+#include "core/checks.hpp"
+#include "core/errors.hpp"
+#include "numerics/fft.hpp"
+#include "core/parallel.hpp"
+#include "core/softmax.hpp"
+#include "core/types.hpp"
 
 namespace effattn {
 namespace conv_basis {

@@ -16,7 +16,7 @@
 #include <cmath>
 #include <limits>
 
-#include "errors.hpp"
+#include "../core/errors.hpp"
 
 namespace effattn {
 

@@ -1,12 +1,8 @@
 /// \file vcc_tree.hpp
-/// \brief Internal part of `<effattn/vcc.hpp>`: segments, the partition helpers and the
-/// count-weighted dyadic tree `VccTree` (T(C) of Zeng et al., NeurIPS 2023, Sec. 3.4 / App. 6.3).
-/// Include `<effattn/vcc.hpp>` instead.
+/// \brief VCC's public building blocks: segments (`VccSegment`), the policy tags of `effattn::vcc`,
+/// the partition helpers and the count-weighted dyadic tree `VccTree` (T(C) of Zeng et al.,
+/// NeurIPS 2023, Sec. 3.4 / App. 6.3). `<effattn/vcc.hpp>` includes it.
 #pragma once
-
-#ifndef EFFATTN_VCC_INTERNAL
-#error "effattn/detail/vcc_tree.hpp is internal: include <effattn/vcc.hpp>"
-#endif
 
 #include <Eigen/SparseCore>
 #include <algorithm>
@@ -15,10 +11,10 @@
 #include <utility>
 #include <vector>
 
-#include "../core/checks.hpp"
-#include "../core/errors.hpp"
-#include "../core/parallel.hpp"
-#include "../core/types.hpp"
+#include "core/checks.hpp"
+#include "core/errors.hpp"
+#include "core/parallel.hpp"
+#include "core/types.hpp"
 
 namespace effattn {
 
@@ -599,3 +595,5 @@ using VccTreef = VccTree<float>;
 using VccTreed = VccTree<double>;
 
 }  // namespace effattn
+
+#include "detail/vcc_select.hpp"
