@@ -72,5 +72,27 @@ void parallel_for(Index count, MakeWorkspace&& make_workspace, Body&& body) {
   if (error) std::rethrow_exception(error);
 }
 
+/// Runs `f()` as the single task of an effattn parallel region. Inside it Eigen's own GEMMs are
+/// serial, so products in `f` round the same way for any thread count (Eigen's threaded GEMM
+/// picks its blocking from the thread count, which changes the rounding).
+template <typename F>
+void run_serial(F&& f) {
+  parallel_for(
+      1, [] { return 0; }, [&](Index, int&) { f(); });
+}
+
+/// Runs `body(t)` for t in [0, count): as one `parallel_for` (no workspace) when `worth_it`,
+/// otherwise in order on the calling thread without opening a region. Use it where a region
+/// costs more than it gains (one task, or tasks that are GEMVs, which Eigen never threads).
+template <typename Body>
+void parallel_for_if(bool worth_it, Index count, Body&& body) {
+  if (worth_it && count > 1) {
+    parallel_for(
+        count, [] { return 0; }, [&](Index t, int&) { body(t); });
+  } else {
+    for (Index t = 0; t < count; ++t) body(t);
+  }
+}
+
 }  // namespace detail
 }  // namespace effattn
