@@ -8,6 +8,10 @@
 ///   with `-fopenmp` (mirrors `EIGEN_DONT_PARALLELIZE`).
 /// - `EFFATTN_NO_DEBUG`: compile out `EFFATTN_ASSERT` (implied by `NDEBUG`).
 /// - `EFFATTN_ASSERT(cond)`: may be predefined to route internal-invariant failures elsewhere.
+/// - `EFFATTN_COMPILED`: the heavy members of the default-policy functors are compiled into the
+///   `effattn::compiled` library; the headers then declare them `extern template` and user
+///   translation units do not instantiate them. The CMake target `effattn::compiled` defines it;
+///   define it by hand only when linking that library.
 ///
 /// Macros effattn defines for its own use: `EFFATTN_HAS_OPENMP` (0 or 1), `EFFATTN_LIKELY`,
 /// `EFFATTN_UNLIKELY`, `EFFATTN_COLD`, `EFFATTN_NOINLINE`.
@@ -16,20 +20,30 @@
 #include "version.hpp"
 
 #if defined(_OPENMP) && !defined(EFFATTN_DONT_PARALLELIZE)
+/// 1 when effattn opens OpenMP regions (compiled with OpenMP and not EFFATTN_DONT_PARALLELIZE).
 #define EFFATTN_HAS_OPENMP 1
 #else
+/// 0: effattn runs serially (no OpenMP, or EFFATTN_DONT_PARALLELIZE).
 #define EFFATTN_HAS_OPENMP 0
 #endif
 
 #if defined(__GNUC__) || defined(__clang__)
+/// Branch hint: `x` is usually true.
 #define EFFATTN_LIKELY(x) __builtin_expect(!!(x), 1)
+/// Branch hint: `x` is usually false.
 #define EFFATTN_UNLIKELY(x) __builtin_expect(!!(x), 0)
+/// Marks a function that runs rarely (error paths).
 #define EFFATTN_COLD __attribute__((cold))
+/// Keeps a function out of line (error paths).
 #define EFFATTN_NOINLINE __attribute__((noinline))
 #else
+/// Branch hint (no-op on this compiler).
 #define EFFATTN_LIKELY(x) (x)
+/// Branch hint (no-op on this compiler).
 #define EFFATTN_UNLIKELY(x) (x)
+/// Cold-function hint (no-op on this compiler).
 #define EFFATTN_COLD
+/// No-inline hint (no-op on this compiler).
 #define EFFATTN_NOINLINE
 #endif
 

@@ -1,9 +1,8 @@
 /// \file effattn.hpp
 /// \brief Umbrella header: every method and the layers below it.
 ///
-/// \mainpage effattn
 /// Header-only C++17 library of exact and approximate softmax attention on Eigen, with an
-/// optional compiled mode (the CMake target `effattn::compiled`).
+/// optional compiled mode (the CMake target `effattn::compiled`); see docs/mainpage.md.
 ///
 /// The layers, bottom to top (README "Layout"):
 /// - `core/`: what every method shares: matrix aliases and `Info` (`types.hpp`), exceptions and

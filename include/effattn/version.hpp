@@ -2,8 +2,11 @@
 /// \brief Library version macros.
 #pragma once
 
+/// Major version.
 #define EFFATTN_VERSION_MAJOR 0
+/// Minor version.
 #define EFFATTN_VERSION_MINOR 1
+/// Patch version.
 #define EFFATTN_VERSION_PATCH 0
 /// Single integer version, 0xMMmmpp (as nanoflann's NANOFLANN_VERSION).
 #define EFFATTN_VERSION \

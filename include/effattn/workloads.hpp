@@ -6,19 +6,15 @@
 /// unchanged. Shapes: Q is n x d, K is m x d, V is m x dv. The logit scale assumed by the
 /// parameter defaults is the library default 1/sqrt(d).
 ///
+// clang-format off
 /// | kind         | construction | imitates |
 /// |--------------|--------------|----------|
-/// | `gaussian`   | Q, K, V i.i.d. N(0, 1); logits ~ N(0, 1) | diffuse, high-entropy heads (random
-/// init, early layers); a flat kernel spectrum, the worst case for low-rank methods | | `sphere` |
-/// rows of Q and K uniform on the sphere of radius R (default R = d^(1/4), so logits lie in [-1,
-/// 1]) | QK-normalised / cosine attention with bounded logits | | `clustered`  | c centres ~ N(0,
-/// I) (default 16); each query and key is a random centre plus N(0, noise^2 I) (noise 0.1) |
-/// semantic / topic heads: block-structured, numerically low-rank attention | | `positional` |
-/// shared content c ~ N(0, I) plus a smooth low-frequency drift and small noise, rotated by RoPE at
-/// the token position (keys at j, queries bottom-aligned at i + m - n) | position-dominated heads
-/// of RoPE models: logits nearly Toeplitz, mass concentrated near the diagonal with a heavy tail |
-/// | `needles`    | gaussian, but a few queries (default max(1, n / 64)) equal gain x a random key
-/// (gain 2) | retrieval / copy heads: a few very peaked rows |
+/// | `gaussian`   | Q, K, V i.i.d. N(0, 1); logits ~ N(0, 1) | diffuse, high-entropy heads (random init, early layers); a flat kernel spectrum, the worst case for low-rank methods |
+/// | `sphere`     | rows of Q and K uniform on the sphere of radius R (default R = d^(1/4), so logits lie in [-1, 1]) | QK-normalised / cosine attention with bounded logits |
+/// | `clustered`  | c centres ~ N(0, I) (default 16); each query and key is a random centre plus N(0, noise^2 I) (noise 0.1) | semantic / topic heads: block-structured, numerically low-rank attention |
+/// | `positional` | shared content c ~ N(0, I) plus a smooth low-frequency drift and small noise, rotated by RoPE at the token position (keys at j, queries bottom-aligned at i + m - n) | position-dominated heads of RoPE models: logits nearly Toeplitz, mass concentrated near the diagonal with a heavy tail |
+/// | `needles`    | gaussian, but a few queries (default max(1, n / 64)) equal gain x a random key (gain 2) | retrieval / copy heads: a few very peaked rows |
+// clang-format on
 #pragma once
 
 #include <array>
@@ -104,7 +100,7 @@ struct Workload {
   Matrix<Scalar> Q;  ///< n x d
   Matrix<Scalar> K;  ///< m x d
   Matrix<Scalar> V;  ///< m x dv
-  Kind kind = Kind::Gaussian;
+  Kind kind = Kind::Gaussian;  ///< the generator that made it
   /// needles only: (query row, key row) pairs with Q.row(query) = query_scale * gain * K.row(key).
   std::vector<std::pair<Index, Index>> needles;
 };
@@ -297,7 +293,9 @@ struct SmoothVipParams {
 /// logit scale the parameters were designed for.
 template <typename Scalar>
 struct SmoothVipWorkload {
-  Matrix<Scalar> Q, K, V;
+  Matrix<Scalar> Q;            ///< n x d queries
+  Matrix<Scalar> K;            ///< n x d keys
+  Matrix<Scalar> V;            ///< n x dv values
   std::vector<Index> vip;      ///< sorted, unique VIP rows
   std::vector<Index> centres;  ///< the key rows the VIP queries point at
   double scale = 1.0 / 3.0;    ///< tau used with this workload (the spec's prototype value)

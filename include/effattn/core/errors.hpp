@@ -26,6 +26,7 @@ struct invalid_argument : std::invalid_argument {
 
 /// Thrown by the convenience `operator()` of a functor when `Result::info != Info::Success`.
 struct numerical_error : std::runtime_error {
+  /// `what`: the message; `info_`: the status of the failed computation.
   numerical_error(const std::string& what, Info info_) : std::runtime_error(what), info(info_) {}
   Info info;  ///< The status that caused the error.
 };

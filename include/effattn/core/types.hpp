@@ -64,6 +64,7 @@ inline const char* to_string(Info info) noexcept {
   return "Unknown";
 }
 
+/// Writes `to_string(info)`.
 inline std::ostream& operator<<(std::ostream& os, Info info) {
   return os << to_string(info);
 }
