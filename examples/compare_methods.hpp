@@ -1,6 +1,6 @@
-// The methods effattn-compare runs: one adapter per method mapping a budget (in the method's own
-// unit) to options, running it, and reporting its diagnostics. Add a method by appending one
-// Method to `methods()`.
+// The methods effattn-compare runs: every functor of effattn::MethodList (effattn/methods.hpp),
+// with one CompareConfig per functor mapping a budget (in the method's own unit) to options; the
+// diagnostics are each Result's own `diagnostics()`.
 #pragma once
 
 #include <effattn/effattn.hpp>
@@ -13,6 +13,7 @@
 #include <limits>
 #include <map>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 namespace effattn {
@@ -127,183 +128,194 @@ inline std::vector<Index> vip_rows(Index n) {
   return v;
 }
 
+/// How effattn-compare runs one functor of effattn::MethodList: its `--methods` key, its default
+/// budgets (in the method's own unit), the options for a budget and a description of them. One
+/// specialization per functor of the list (a functor without one does not compile here); the
+/// diagnostics come from `Result::diagnostics()` and applicability from `functor_traits`.
+template <typename F>
+struct CompareConfig;
+
+template <typename S>
+struct CompareConfig<ExactAttention<S>> {  // the reference: the driver runs it itself
+  static constexpr const char* id = "exact";
+};
+
+template <typename S>
+struct CompareConfig<ExactAttention<S, policy::Naive>> {
+  static constexpr const char* id = "naive";
+  static std::vector<Index> budgets(const Problem<S>&) { return {}; }
+  static ExactOptions options(const Problem<S>& p, Index) {
+    ExactOptions o;
+    o.causal = p.causal;
+    return o;
+  }
+  template <typename R>
+  static std::string describe(const ExactOptions&, const R&) {
+    return "Naive (scores in double)";
+  }
+};
+
+template <typename S>
+struct CompareConfig<EvaAttention<S>> {  // exact window of 64 keys; budget = chunk size
+  static constexpr const char* id = "eva";
+  static std::vector<Index> budgets(const Problem<S>&) { return {128, 64, 16}; }
+  static EvaOptions options(const Problem<S>& p, Index b) {
+    EvaOptions o;
+    o.causal = p.causal;
+    o.window = 64;
+    o.chunk_size = b;
+    return o;
+  }
+  template <typename R>
+  static std::string describe(const EvaOptions& o, const R&) {
+    return "window 64, chunk " + std::to_string(o.chunk_size);
+  }
+};
+
+template <typename S>
+struct CompareConfig<PerformerAttention<S>> {  // budget = random features
+  static constexpr const char* id = "performer";
+  using Options = typename PerformerAttention<S>::Options;
+  static std::vector<Index> budgets(const Problem<S>&) { return {64, 256}; }
+  static Options options(const Problem<S>& p, Index b) {
+    Options o;
+    o.samples = b;
+    o.seed = p.seed;
+    return o;
+  }
+  template <typename R>
+  static std::string describe(const Options& o, const R&) {
+    return std::to_string(o.samples) + " features";
+  }
+};
+
+template <typename S>
+struct CompareConfig<VccAttention<S>> {  // TwoLevel; budget = compressed length r; VIP rows
+  static constexpr const char* id = "vcc";
+  static std::vector<Index> budgets(const Problem<S>&) { return {512, 1024}; }
+  static VccOptions options(const Problem<S>& p, Index b) {
+    VccOptions o;
+    o.budget = b;
+    o.clamp_budget = true;
+    o.vip = vip_rows(p.Q.rows());
+    return o;
+  }
+  template <typename R>
+  static std::string describe(const VccOptions& o, const R& r) {
+    return "TwoLevel, r " + std::to_string(r.budget_effective) + ", " +
+           std::to_string(o.vip.size()) + " VIP";
+  }
+  /// The error is measured on the VIP rows, the rows VCC is designed for.
+  static std::vector<Index> rows(const VccOptions& o) { return o.vip; }
+};
+
+template <typename S>
+struct CompareConfig<ConvBasisAttention<S>> {  // causal by construction; budget = bases k
+  static constexpr const char* id = "conv_basis";
+  using Options = typename ConvBasisAttention<S>::Options;
+  static std::vector<Index> budgets(const Problem<S>&) { return {4, 16, 64}; }
+  static Options options(const Problem<S>&, Index b) {
+    Options o;
+    o.num_bases = b;
+    return o;
+  }
+  template <typename R>
+  static std::string describe(const Options& o, const R&) {
+    return "Scan, k <= " + std::to_string(o.num_bases) + ", T " + std::to_string(o.probe);
+  }
+};
+
+template <typename S>
+struct CompareConfig<WildcatAttention<S>> {  // RPNys coreset; budget = coreset size r
+  static constexpr const char* id = "wildcat";
+  static std::vector<Index> budgets(const Problem<S>& p) {
+    std::vector<Index> b;
+    for (Index r : {Index(64), Index(256), Index(1024)})
+      if (r < p.K.rows()) b.push_back(r);
+    if (b.empty()) b.push_back(p.K.rows());
+    return b;
+  }
+  static WildcatOptions options(const Problem<S>& p, Index b) {
+    WildcatOptions o;
+    o.rank = b;
+    o.seed = p.seed;
+    return o;
+  }
+  template <typename R>
+  static std::string describe(const WildcatOptions& o, const R&) {
+    return "RPNys, r " + std::to_string(o.rank) + ", B " + std::to_string(o.bins);
+  }
+};
+
+template <typename S>
+struct CompareConfig<KepSvgpAttention<S>> {  // rank-s randomized kernel SVD; budget = s
+  static constexpr const char* id = "kep_svgp";
+  static std::vector<Index> budgets(const Problem<S>& p) {
+    std::vector<Index> b;
+    for (Index s : {Index(8), Index(32), Index(128)})
+      if (s < std::min(p.Q.rows(), p.K.rows())) b.push_back(s);
+    if (b.empty()) b.push_back(std::min(p.Q.rows(), p.K.rows()));
+    return b;
+  }
+  static KepSvgpOptions options(const Problem<S>& p, Index b) {
+    KepSvgpOptions o;
+    o.rank = b;
+    o.seed = p.seed;
+    return o;
+  }
+  template <typename R>
+  static std::string describe(const KepSvgpOptions& o, const R&) {
+    return "Randomized SVD, s " + std::to_string(o.rank);
+  }
+};
+
+template <typename C, typename O, typename = void>
+struct has_rows : std::false_type {};
+template <typename C, typename O>
+struct has_rows<C, O, std::void_t<decltype(C::rows(std::declval<const O&>()))>> : std::true_type {};
+
+template <typename R, typename = void>
+struct has_variance : std::false_type {};
+template <typename R>
+struct has_variance<R, std::void_t<decltype(std::declval<const R&>().variance)>> : std::true_type {
+};
+
+/// Every functor of effattn::MethodList except the exact reference, as a Method.
 template <typename Scalar>
 std::vector<Method<Scalar>> methods() {
   using P = Problem<Scalar>;
-  using O = Output<Scalar>;
   std::vector<Method<Scalar>> ms;
-
-  // Exact Naive (materialised scores in double): the reference kernel of the tests.
-  ms.push_back({"naive", [](const P&) { return std::vector<Index>{}; },
-                [](const P&, std::string& w) { return always(w); },
-                [](const P& p, Index) {
-                  O o;
-                  ExactOptions eo;
-                  eo.causal = p.causal;
-                  const ExactAttention<Scalar, policy::Naive> a(eo);
-                  timed(p, o, [&] { return a.compute(p.Q, p.K, p.V); });
-                  o.config = "Naive (scores in double)";
-                  return o;
-                }});
-
-  // EVA: exact local window of 64 keys; budget = chunk size (divides or is a multiple of 64).
-  ms.push_back({"eva",
-                [](const P&) {
-                  return std::vector<Index>{128, 64, 16};
-                },
-                [](const P&, std::string& w) { return always(w); },
-                [](const P& p, Index b) {
-                  O o;
-                  EvaOptions eo;
-                  eo.causal = p.causal;
-                  eo.window = 64;
-                  eo.chunk_size = b;
-                  const EvaAttention<Scalar> a(eo);
-                  EvaResult<Scalar> last;
-                  o.seconds = median_time(p.repeat, [&] { last = a.compute(p.Q, p.K, p.V); });
-                  o.info = last.info;
-                  o.output = last.output;
-                  o.config = "window 64, chunk " + std::to_string(b);
-                  o.diag["logits"] = static_cast<double>(last.max_logits);
-                  o.diag["chunks"] = static_cast<double>(last.num_chunks);
-                  return o;
-                }});
-
-  // Performer (positive random features); budget = features.
-  ms.push_back({"performer",
-                [](const P&) {
-                  return std::vector<Index>{64, 256};
-                },
-                [](const P& p, std::string& w) {
-                  if (p.causal) w = "no causal mode (needs a prefix recurrence)";
-                  return !p.causal;
-                },
-                [](const P& p, Index b) {
-                  O o;
-                  EvaOptions eo;
-                  eo.samples = b;
-                  eo.seed = p.seed;
-                  const PerformerAttention<Scalar> a(eo);
-                  timed(p, o, [&] { return a.compute(p.Q, p.K, p.V); });
-                  o.config = std::to_string(b) + " features";
-                  return o;
-                }});
-
-  // VCC: TwoLevel selection, decompressed non-VIP rows; budget = compressed length r; the error
-  // is measured on the VIP rows (the rows VCC is designed for).
-  ms.push_back({"vcc",
-                [](const P&) {
-                  return std::vector<Index>{512, 1024};
-                },
-                [](const P& p, std::string& w) {
-                  if (p.causal) w = "no causal mode (compressed keys mix positions)";
-                  if (p.Q.rows() != p.K.rows()) w = "self-attention only (n = m)";
-                  return w.empty();
-                },
-                [](const P& p, Index b) {
-                  O o;
-                  VccOptions vo;
-                  vo.budget = b;
-                  vo.clamp_budget = true;
-                  const VccAttention<Scalar> a(vo);
-                  const auto vip = vip_rows(p.Q.rows());
-                  VccResult<Scalar> last;
-                  o.seconds = median_time(p.repeat, [&] { last = a.compute(p.Q, p.K, p.V, vip); });
-                  o.info = last.info;
-                  o.output = last.output;
-                  o.rows = vip;
-                  o.config = "TwoLevel, r " + std::to_string(last.budget_effective) + ", " +
-                             std::to_string(vip.size()) + " VIP";
-                  o.diag["budget_eff"] = static_cast<double>(last.budget_effective);
-                  o.diag["segments"] = static_cast<double>(last.segments.size());
-                  return o;
-                }});
-
-  // Conv-Basis (causal by construction; compared with causal exact): budget = bases k.
-  ms.push_back({"conv_basis",
-                [](const P&) {
-                  return std::vector<Index>{4, 16, 64};
-                },
-                [](const P& p, std::string& w) {
-                  if (p.Q.rows() != p.K.rows()) w = "self-attention only (n = m)";
-                  return w.empty();
-                },
-                [](const P& p, Index b) {
-                  O o;
-                  ConvBasisOptions co;
-                  co.num_bases = b;
-                  const ConvBasisAttention<Scalar> a(co);
-                  ConvBasisResult<Scalar> last;
-                  o.seconds = median_time(p.repeat, [&] { last = a.compute(p.Q, p.K, p.V); });
-                  o.info = last.info;
-                  o.output = last.output;
-                  o.causal = true;
-                  o.config = "Scan, k <= " + std::to_string(b) + ", T " + std::to_string(co.probe);
-                  o.diag["bases_used"] = static_cast<double>(last.bases_used);
-                  o.diag["rows_recomputed"] = static_cast<double>(last.rows_recomputed);
-                  return o;
-                }});
-
-  // WildCat: RPNys coreset of the keys; budget = coreset size r (total over bins).
-  ms.push_back({"wildcat",
-                [](const P& p) {
-                  std::vector<Index> b;
-                  for (Index r : {Index(64), Index(256), Index(1024)})
-                    if (r < p.K.rows()) b.push_back(r);
-                  if (b.empty()) b.push_back(p.K.rows());
-                  return b;
-                },
-                [](const P& p, std::string& w) {
-                  if (p.causal) w = "no causal mode (the paper's limitation)";
-                  return w.empty();
-                },
-                [](const P& p, Index b) {
-                  O o;
-                  WildcatOptions wo;
-                  wo.rank = b;
-                  wo.seed = p.seed;
-                  const WildcatAttention<Scalar> a(wo);
-                  WildcatResult<Scalar> last;
-                  o.seconds = median_time(p.repeat, [&] { last = a.compute(p.Q, p.K, p.V); });
-                  o.info = last.info;
-                  o.output = last.output;
-                  o.config = "RPNys, r " + std::to_string(b) + ", B " + std::to_string(wo.bins);
-                  o.diag["pivots"] = static_cast<double>(last.rank);
-                  o.diag["error_bound"] = last.error_bound;
-                  return o;
-                }});
-
-  // KEP-SVGP: rank-s kernel SVD (randomized) of the row-softmax kernel; budget = s. The mean is
-  // compared with exact attention; the variance's rank correlation with the realised error is
-  // reported by the driver.
-  ms.push_back({"kep_svgp",
-                [](const P& p) {
-                  std::vector<Index> b;
-                  for (Index s : {Index(8), Index(32), Index(128)})
-                    if (s < std::min(p.Q.rows(), p.K.rows())) b.push_back(s);
-                  if (b.empty()) b.push_back(std::min(p.Q.rows(), p.K.rows()));
-                  return b;
-                },
-                [](const P& p, std::string& w) {
-                  if (p.causal) w = "no causal mode";
-                  return w.empty();
-                },
-                [](const P& p, Index b) {
-                  O o;
-                  KepSvgpOptions ko;
-                  ko.rank = b;
-                  ko.seed = p.seed;
-                  const KepSvgpAttention<Scalar> a(ko);
-                  KepSvgpResult<Scalar> last;
-                  o.seconds = median_time(p.repeat, [&] { last = a.compute(p.Q, p.K, p.V); });
-                  o.info = last.info;
-                  o.output = last.output;
-                  o.variance = last.variance;
-                  o.config = "Randomized SVD, s " + std::to_string(b);
-                  o.diag["rank_used"] = static_cast<double>(last.rank_used);
-                  return o;
-                }});
-
+  for_each_method<Scalar>([&](auto tag) {
+    using F = typename decltype(tag)::type;
+    using T = functor_traits<F>;
+    using C = CompareConfig<F>;
+    if constexpr (!std::is_same<F, ExactAttention<Scalar>>::value) {
+      Method<Scalar> m;
+      m.name = C::id;
+      m.default_budgets = [](const P& p) { return C::budgets(p); };
+      m.applicable = [](const P& p, std::string& w) {
+        if (p.causal && !T::supports_causal && !T::causal_only) w = "no causal mode";
+        if (T::self_attention_only && p.Q.rows() != p.K.rows()) w = "self-attention only (n = m)";
+        return w.empty();
+      };
+      m.run = [](const P& p, Index b) {
+        Output<Scalar> o;
+        const auto opts = C::options(p, b);
+        const F a(opts);
+        typename F::Result last;
+        o.seconds = median_time(p.repeat, [&] { last = a.compute(p.Q, p.K, p.V); });
+        o.info = last.info;
+        o.output = last.output;
+        o.causal = T::causal_only;
+        o.config = C::describe(opts, last);
+        for (const Diagnostic& d : last.diagnostics()) o.diag[d.name] = d.value;
+        if constexpr (has_rows<C, decltype(opts)>::value) o.rows = C::rows(opts);
+        if constexpr (has_variance<typename F::Result>::value) o.variance = last.variance;
+        return o;
+      };
+      ms.push_back(std::move(m));
+    }
+  });
   return ms;
 }
 

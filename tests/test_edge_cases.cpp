@@ -1,7 +1,8 @@
 // Edge-case matrix: every functor, float and double, on degenerate shapes and contents, and on
 // inputs passed as strided Maps and as column blocks of a wider matrix.
 //
-// Each method contributes up to two configurations:
+// The subjects are the functors of effattn::MethodList (effattn/methods.hpp), configured in
+// tests/method_configs.hpp. Each contributes up to two configurations:
 //  - an *exact-limit* configuration (a budget that makes the method exact: EVA window >= m, VCC
 //    budget >= n, ...), which must match the long-double loop oracle to round-off on every case;
 //  - an *approximate* configuration (small budgets, often larger than m on the tiny cases), whose
@@ -18,6 +19,7 @@
 #include <string>
 #include <vector>
 
+#include "method_configs.hpp"
 #include "test_utils.hpp"
 
 using namespace effattn;
@@ -120,106 +122,33 @@ std::pair<Mat<Scalar>, Info> out(R&& r) {
   return {std::move(r.output), r.info};
 }
 
+/// One subject per functor of effattn::MethodList, configured by tests/method_configs.hpp.
 template <typename Scalar>
 std::vector<Subject<Scalar>> subjects() {
   using Ref = ConstRef<Scalar>;
   std::vector<Subject<Scalar>> s;
-  s.push_back({"ExactAttention<Tiled>",
-               [](const Ref& Q, const Ref& K, const Ref& V) {
-                 ExactOptions o;
-                 o.block_q = 16;  // several blocks on the larger cases
-                 o.block_k = 24;
-                 return out<Scalar>(ExactAttention<Scalar>(o).compute(Q, K, V));
-               },
-               {}});
-  s.push_back({"ExactAttention<Naive>",
-               [](const Ref& Q, const Ref& K, const Ref& V) {
-                 return out<Scalar>(ExactAttention<Scalar, policy::Naive>().compute(Q, K, V));
-               },
-               {}});
-  s.push_back({"EvaAttention",
-               [](const Ref& Q, const Ref& K, const Ref& V) {
-                 EvaOptions o;
-                 o.window = K.rows();  // one exact block holds every key
-                 return out<Scalar>(EvaAttention<Scalar>(o).compute(Q, K, V));
-               },
-               [](const Ref& Q, const Ref& K, const Ref& V) {
-                 EvaOptions o;
-                 o.window = 4;
-                 o.chunk_size = 2;
-                 o.samples = 2;
-                 return out<Scalar>(EvaAttention<Scalar>(o).compute(Q, K, V));
-               }});
-  s.push_back({"PerformerAttention", {}, [](const Ref& Q, const Ref& K, const Ref& V) {
-                 EvaOptions o;
-                 o.samples = 16;
-                 return out<Scalar>(PerformerAttention<Scalar>(o).compute(Q, K, V));
-               }});
-  s.push_back({"VccAttention",
-               [](const Ref& Q, const Ref& K, const Ref& V) {
-                 VccOptions o;
-                 o.budget = Q.rows();  // budget >= n: exact
-                 return out<Scalar>(VccAttention<Scalar>(o).compute(Q, K, V, {0}));
-               },
-               [](const Ref& Q, const Ref& K, const Ref& V) {
-                 VccOptions o;
-                 o.budget = 8;
-                 o.clamp_budget = true;
-                 return out<Scalar>(
-                     VccAttention<Scalar, vcc::BestFirstDyadic>(o).compute(Q, K, V, {0}));
-               },
-               [](Index n, Index m) { return n == m; }});
-  s.push_back({"ConvBasisAttention",
-               [](const Ref& Q, const Ref& K, const Ref& V) {
-                 ConvBasisOptions o;  // k = n, T = 1, threshold 0: exact causal (Cor. 4.5)
-                 o.num_bases = Q.rows();
-                 o.probe = 1;
-                 return out<Scalar>(ConvBasisAttention<Scalar>(o).compute(Q, K, V));
-               },
-               [](const Ref& Q, const Ref& K, const Ref& V) {
-                 ConvBasisOptions o;
-                 o.num_bases = 4;
-                 o.probe = 4;
-                 return out<Scalar>(ConvBasisAttention<Scalar>(o).compute(Q, K, V));
-               },
-               [](Index n, Index m) { return n == m; }, /*causal=*/true,
-               // k = n goes through FFTs of exp(U_r - mu) whose dynamic range is e^(2 max|logit|):
-               // measured 1.2e-13 (550 eps) in double on the d = 1 case (logits up to 8.8), at
-               // most 2.8e-7 (2.3 eps) in float (FFTs in double). 4500 eps = 1e-12 in double is
-               // the spec's T4 tolerance; it is 5.4e-4 in float, so float keeps 32 eps.
-               sizeof(Scalar) == 8 ? 4500.0 : 32.0});
-  s.push_back({"WildcatAttention",
-               [](const Ref& Q, const Ref& K, const Ref& V) {
-                 WildcatOptions o;  // rank >= m: every key kept with weight 1 (exact)
-                 o.rank = K.rows();
-                 return out<Scalar>(WildcatAttention<Scalar>(o).compute(Q, K, V));
-               },
-               [](const Ref& Q, const Ref& K, const Ref& V) {
-                 WildcatOptions o;  // a coreset well below m on the larger cases, 2 bins
-                 o.rank = 6;
-                 o.bins = 2;
-                 return out<Scalar>(WildcatAttention<Scalar>(o).compute(Q, K, V));
-               }});
-  {
-    Subject<Scalar> kep{"KepSvgpAttention",
-                        [](const Ref& Q, const Ref& K, const Ref& V) {
-                          KepSvgpOptions o;  // s = min(n, m): the KSVD spans K's row space
-                          o.rank = std::min(Q.rows(), K.rows());
-                          return out<Scalar>(KepSvgpAttention<Scalar>(o).compute(Q, K, V));
-                        },
-                        [](const Ref& Q, const Ref& K, const Ref& V) {
-                          KepSvgpOptions o;
-                          o.rank = 3;
-                          return out<Scalar>(KepSvgpAttention<Scalar>(o).compute(Q, K, V));
-                        }};
-    // Full rank goes through an SVD of the n x m kernel (singular values below 1e-12 sigma_1
-    // dropped, 1e-6 in float): measured 1.95e-13 (880 eps) in double on the d = 1 case (a
-    // numerically rank-deficient kernel), 1.3e-6 (11 eps) in float. Double gets the spec's 1e-12
-    // (4500 eps), float keeps 32 eps.
-    kep.tol_eps = sizeof(Scalar) == 8 ? 4500.0 : 32.0;
-    kep.convex = false;
-    s.push_back(std::move(kep));
-  }
+  int index = 0;
+  for_each_method<Scalar>([&](auto tag) {
+    using F = typename decltype(tag)::type;
+    using T = functor_traits<F>;
+    using C = testing::MethodTestConfig<F>;
+    Subject<Scalar> sub;
+    sub.name = std::string(T::name) + " (list entry " + std::to_string(index++) + ")";
+    if constexpr (C::has_exact_limit)
+      sub.exact_limit = [](const Ref& Q, const Ref& K, const Ref& V) {
+        return out<Scalar>(F(C::exact_limit(Q.rows(), K.rows())).compute(Q, K, V));
+      };
+    if constexpr (!T::exact)
+      sub.approx = [](const Ref& Q, const Ref& K, const Ref& V) {
+        using A = typename C::Approx;
+        return out<Scalar>(A(C::approx(Q.rows(), K.rows())).compute(Q, K, V));
+      };
+    if (T::self_attention_only) sub.domain = [](Index n, Index m) { return n == m; };
+    sub.causal = T::causal_only;
+    sub.tol_eps = C::exact_tol_eps(sizeof(Scalar) == 8);
+    sub.convex = C::convex;
+    s.push_back(std::move(sub));
+  });
   return s;
 }
 

@@ -1,5 +1,6 @@
 // Thread safety: one const functor shared by 8 std::threads, each computing its own inputs
-// several times, gives bit-identical results to sequential calls. Covers every functor and the
+// several times, gives bit-identical results to sequential calls. Covers every functor of
+// effattn::MethodList (options from tests/method_configs.hpp) and the
 // FFTW plan cache (CausalConv objects built and executed concurrently, several sizes, so plans are
 // created, shared and looked up at the same time). Run it under ThreadSanitizer with the `tsan`
 // preset (OpenMP off there: libgomp is not TSan-instrumented).
@@ -12,6 +13,7 @@
 #include <thread>
 #include <vector>
 
+#include "method_configs.hpp"
 #include "test_utils.hpp"
 
 using namespace effattn;
@@ -74,58 +76,14 @@ TEMPLATE_TEST_CASE("One const functor shared by 8 threads equals sequential call
   const int count = static_cast<int>(in.size());
   auto at = [&](int i) -> const Input<Scalar>& { return in[static_cast<std::size_t>(i)]; };
 
-  ExactOptions eo;
-  eo.block_q = 32;
-  eo.block_k = 48;
-  const ExactAttention<Scalar> tiled(eo);
-  check_concurrent("ExactAttention<Tiled>", count,
-                   [&](int i) { return tiled(at(i).Q, at(i).K, at(i).V); });
-  eo.causal = true;
-  const ExactAttention<Scalar, policy::Naive> naive(eo);
-  check_concurrent("ExactAttention<Naive> causal", count,
-                   [&](int i) { return naive(at(i).Q, at(i).K, at(i).V); });
-
-  EvaOptions vo;
-  vo.window = 16;
-  vo.chunk_size = 8;
-  vo.samples = 2;
-  const EvaAttention<Scalar> eva(vo);
-  check_concurrent("EvaAttention", count, [&](int i) { return eva(at(i).Q, at(i).K, at(i).V); });
-  EvaOptions po;
-  po.samples = 32;
-  const PerformerAttention<Scalar> performer(po);
-  check_concurrent("PerformerAttention", count,
-                   [&](int i) { return performer(at(i).Q, at(i).K, at(i).V); });
-
-  VccOptions co;
-  co.budget = 40;
-  const VccAttention<Scalar, vcc::BestFirstDyadic> vcc(co);
-  check_concurrent("VccAttention", count, [&](int i) {
-    return vcc(at(i).Q, at(i).K, at(i).V, {0, 5, 9});
-  });
-
-  ConvBasisOptions cbo;
-  cbo.num_bases = 6;
-  cbo.probe = 4;
-  const ConvBasisAttention<Scalar> conv(cbo);  // FFTW plans from the shared cache
-  check_concurrent("ConvBasisAttention", count,
-                   [&](int i) { return conv(at(i).Q, at(i).K, at(i).V); });
-
-  WildcatOptions wo;
-  wo.rank = 24;
-  wo.bins = 2;
-  const WildcatAttention<Scalar> wildcat(wo);
-  check_concurrent("WildcatAttention", count,
-                   [&](int i) { return wildcat(at(i).Q, at(i).K, at(i).V); });
-
-  KepSvgpOptions ko;
-  ko.rank = 8;
-  const KepSvgpAttention<Scalar> kep(ko);
-  check_concurrent("KepSvgpAttention", count, [&](int i) {
-    const auto r = kep.compute(at(i).Q, at(i).K, at(i).V);
-    Matrix<Scalar> both(r.output.rows(), 2 * r.output.cols());
-    both << r.output, r.variance;
-    return both;
+  // Every functor of effattn::MethodList, with the moderate options of tests/method_configs.hpp.
+  for_each_method<Scalar>([&](auto tag) {
+    using F = typename decltype(tag)::type;
+    using C = testing::MethodTestConfig<F>;
+    using A = typename C::Approx;
+    const A method(C::stress());
+    check_concurrent(functor_traits<F>::name, count,
+                     [&](int i) { return C::observed(method.compute(at(i).Q, at(i).K, at(i).V)); });
   });
 }
 

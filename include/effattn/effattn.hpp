@@ -34,6 +34,7 @@
 #include "eva.hpp"
 #include "exact.hpp"
 #include "kep_svgp.hpp"
+#include "methods.hpp"
 #include "numerics/fft.hpp"
 #include "numerics/lambert_w.hpp"
 #include "numerics/nystrom.hpp"

@@ -4,7 +4,8 @@
 #include <cstdio>
 
 int main() {
-  const Eigen::MatrixXf A = Eigen::MatrixXf::Random(256, 256), B = Eigen::MatrixXf::Random(256, 256);
+  const Eigen::MatrixXf A = Eigen::MatrixXf::Random(256, 256),
+                        B = Eigen::MatrixXf::Random(256, 256);
   const Eigen::MatrixXf C = A * B;
   std::printf("eigen-only consumer: %g\n", static_cast<double>(C.sum()));
   return 0;

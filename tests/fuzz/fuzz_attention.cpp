@@ -1,5 +1,6 @@
-// libFuzzer target for one effattn functor, chosen at compile time with -DEFFATTN_FUZZ_<NAME>
-// (EXACT, NAIVE, EVA, PERFORMER, VCC, CONV_BASIS, WILDCAT, KEP_SVGP). The input bytes decode
+// libFuzzer target for every effattn functor of effattn::MethodList, one chosen per process by
+// the environment variable EFFATTN_FUZZ_METHOD (exact, naive, eva, performer, vcc, conv_basis,
+// wildcat, kep_svgp; EFFATTN_FUZZ_LIST=1 prints them). The input bytes decode
 // shapes, options and matrix contents (NaN, Inf, denormals, huge and tiny magnitudes, duplicated
 // and zero rows); the target checks the library contract:
 //  - either a documented exception (effattn::invalid_argument) is thrown,
@@ -8,14 +9,18 @@
 //    convex combinations of value rows (KEP-SVGP: |o_ic| <= ||V_c||_2 and variance >= 0, see
 //    check_kep).
 // Any other exception, a crash or a sanitizer report is a bug (libFuzzer stops and saves the
-// input). Built by tests/fuzz/CMakeLists.txt with clang -fsanitize=fuzzer,address,undefined.
-#include <effattn/effattn.hpp>
+// input). Built by tests/fuzz/CMakeLists.txt with clang -fsanitize=fuzzer,address,undefined
+// against effattn::compiled (built with the same instrumentation), so the default-policy
+// functors are compiled once, in parallel, outside this file.
+#include <effattn/methods.hpp>
 
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <limits>
+#include <string>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -127,6 +132,145 @@ void check(const AttentionResult<Scalar>& r, Index n, const Matrix<Scalar>& V) {
   }
 }
 
+/// What every fuzz configuration gets: the decoded shapes, the option bytes and the inputs.
+template <typename Scalar>
+struct Input {
+  Index n;
+  std::uint8_t opt, opt2, flags;
+  double scale;
+  bool causal;
+  const Matrix<Scalar>& Q;
+  const Matrix<Scalar>& K;
+  const Matrix<Scalar>& V;
+};
+
+/// How the input bytes become options, one specialization per functor of effattn::MethodList
+/// (a functor of the list without one does not compile here). `id` names the fuzz target.
+template <typename F>
+struct FuzzConfig;
+
+template <typename S>
+struct FuzzConfig<ExactAttention<S>> {
+  static constexpr const char* id = "exact";
+  template <typename Policy = policy::Tiled>
+  static void run(const Input<S>& in) {
+    ExactOptions o;
+    o.scale = in.scale;
+    o.causal = in.causal;
+    o.block_q = in.opt2 & 7;         // 0 = automatic
+    o.block_k = (in.opt2 >> 3) & 7;  // 0 = automatic
+    check(ExactAttention<S, Policy>(o).compute(in.Q, in.K, in.V), in.n, in.V);
+  }
+};
+
+template <typename S>
+struct FuzzConfig<ExactAttention<S, policy::Naive>> {
+  static constexpr const char* id = "naive";
+  static void run(const Input<S>& in) {
+    FuzzConfig<ExactAttention<S>>::template run<policy::Naive>(in);
+  }
+};
+
+template <typename S>
+struct FuzzConfig<EvaAttention<S>> {
+  static constexpr const char* id = "eva";
+  static void run(const Input<S>& in) {
+    EvaOptions o;
+    o.scale = in.scale;
+    o.seed = in.opt2;
+    o.causal = in.causal;
+    o.window = (in.opt >> 1) & 7;    // 0 (non-causal only) .. 7
+    o.chunk_size = in.opt2 & 7;      // 0 = automatic; must divide / be a multiple of window
+    o.samples = (in.opt2 >> 3) & 3;  // 0 = deterministic
+    static const eva::Mass masses[] = {eva::Mass::Literal, eva::Mass::LogCount,
+                                       eva::Mass::GaussianDiag};
+    o.mass = masses[(in.opt2 >> 5) % 3];
+    o.proposal = (in.opt >> 4) & 1 ? eva::Proposal::HalfSum : eva::Proposal::SumMeans;
+    check(EvaAttention<S>(o).compute(in.Q, in.K, in.V), in.n, in.V);
+  }
+};
+
+template <typename S>
+struct FuzzConfig<PerformerAttention<S>> {
+  static constexpr const char* id = "performer";
+  static void run(const Input<S>& in) {
+    typename PerformerAttention<S>::Options o;
+    o.scale = in.scale;
+    o.seed = in.opt2;
+    o.samples = 1 + (in.opt2 & 31);
+    check(PerformerAttention<S>(o).compute(in.Q, in.K, in.V), in.n, in.V);
+  }
+};
+
+template <typename S>
+struct FuzzConfig<VccAttention<S>> {
+  static constexpr const char* id = "vcc";
+  static void run(const Input<S>& in, Bytes& b) {
+    VccOptions o;
+    o.scale = in.scale;
+    o.budget = in.opt2 & 31;  // 0 = the two-level default
+    o.block_size = 1 + ((in.opt >> 1) & 7);
+    o.fine_blocks = (in.opt >> 4) & 1 ? 2 : 90;
+    o.clamp_budget = (in.flags >> 6) & 1;
+    for (Index i = 0; i < in.n; ++i)
+      if ((b.next() & 3) == 0) o.vip.push_back(i);
+    if (in.opt & 1)
+      check(VccAttention<S, policy::BestFirstDyadic>(o).compute(in.Q, in.K, in.V), in.n, in.V);
+    else
+      check(VccAttention<S>(o).compute(in.Q, in.K, in.V), in.n, in.V);
+  }
+};
+
+template <typename S>
+struct FuzzConfig<ConvBasisAttention<S>> {
+  static constexpr const char* id = "conv_basis";
+  static void run(const Input<S>& in) {
+    typename ConvBasisAttention<S>::Options o;
+    o.scale = in.scale;
+    o.num_bases = 1 + (in.opt2 & 15);
+    o.probe = 1 + ((in.opt2 >> 4) & 7);
+    o.threshold = (in.opt >> 1) & 1 ? 0.0 : 0.5;
+    o.window = (in.opt >> 2) & 1 ? 3 : 0;
+    o.block_size = (in.opt >> 3) & 1 ? 5 : 0;
+    check(ConvBasisAttention<S>(o).compute(in.Q, in.K, in.V), in.n, in.V);
+  }
+};
+
+template <typename S>
+struct FuzzConfig<WildcatAttention<S>> {
+  static constexpr const char* id = "wildcat";
+  static void run(const Input<S>& in) {
+    WildcatOptions o;
+    o.scale = in.scale;
+    o.rank = in.opt2 & 15;  // 0 must throw
+    o.bins = 1 + ((in.opt2 >> 4) & 3);
+    o.seed = in.flags;
+    o.rel_tol = (in.opt >> 1) & 1 ? 1e-3 : 0.0;
+    o.fallback = (in.opt >> 2) & 1 ? wildcat::Fallback::Midpoint : wildcat::Fallback::Zero;
+    check(WildcatAttention<S>(o).compute(in.Q, in.K, in.V), in.n, in.V);
+  }
+};
+
+template <typename S>
+struct FuzzConfig<KepSvgpAttention<S>> {
+  static constexpr const char* id = "kep_svgp";
+  static void run(const Input<S>& in) {
+    KepSvgpOptions o;
+    o.scale = in.scale;
+    o.rank = in.opt2 & 15;  // 0 must throw
+    o.oversample = (in.opt2 >> 4) & 7;
+    o.power_iters = (in.opt >> 1) & 3;
+    o.seed = in.flags;
+    check_kep(KepSvgpAttention<S>(o).compute(in.Q, in.K, in.V), in.n, in.V);
+  }
+};
+
+/// The fuzz target chosen by EFFATTN_FUZZ_METHOD (an `id` above), set once per process.
+std::string& selected() {
+  static std::string id;
+  return id;
+}
+
 template <typename Scalar>
 void run(Bytes& b) {
   const std::uint8_t shape = b.next(), shape2 = b.next(), opt = b.next(), opt2 = b.next();
@@ -140,85 +284,43 @@ void run(Bytes& b) {
   const Matrix<Scalar> Q = matrix<Scalar>(b, n, d, flags & 3);
   const Matrix<Scalar> K = matrix<Scalar>(b, m, d, (flags >> 2) & 3);
   const Matrix<Scalar> V = matrix<Scalar>(b, m, dv, (flags >> 4) & 3);
+  const Input<Scalar> in{n, opt, opt2, flags, scale, causal, Q, K, V};
   try {
-#if defined(EFFATTN_FUZZ_EXACT) || defined(EFFATTN_FUZZ_NAIVE)
-#if defined(EFFATTN_FUZZ_EXACT)
-    using Policy = policy::Tiled;
-#else
-    using Policy = policy::Naive;
-#endif
-    ExactOptions o;
-    o.scale = scale;
-    o.causal = causal;
-    o.block_q = opt2 & 7;         // 0 = automatic
-    o.block_k = (opt2 >> 3) & 7;  // 0 = automatic
-    check(ExactAttention<Scalar, Policy>(o).compute(Q, K, V), n, V);
-#elif defined(EFFATTN_FUZZ_EVA) || defined(EFFATTN_FUZZ_PERFORMER)
-    EvaOptions o;
-    o.scale = scale;
-    o.seed = opt2;
-#if defined(EFFATTN_FUZZ_EVA)
-    o.causal = causal;
-    o.window = (opt >> 1) & 7;    // 0 (non-causal only) .. 7
-    o.chunk_size = opt2 & 7;      // 0 = automatic; must divide / be a multiple of window
-    o.samples = (opt2 >> 3) & 3;  // 0 = deterministic
-    o.mass = static_cast<eva::Mass>((opt2 >> 5) % 3);
-    o.proposal = static_cast<eva::Proposal>((opt >> 4) & 1 ? 1 : 0);
-    check(EvaAttention<Scalar>(o).compute(Q, K, V), n, V);
-#else
-    o.samples = 1 + (opt2 & 31);
-    check(PerformerAttention<Scalar>(o).compute(Q, K, V), n, V);
-#endif
-#elif defined(EFFATTN_FUZZ_VCC)
-    VccOptions o;
-    o.scale = scale;
-    o.budget = opt2 & 31;  // 0 = the two-level default
-    o.block_size = 1 + ((opt >> 1) & 7);
-    o.fine_blocks = (opt >> 4) & 1 ? 2 : 90;
-    o.clamp_budget = (flags >> 6) & 1;
-    std::vector<Index> vip;
-    for (Index i = 0; i < n; ++i)
-      if ((b.next() & 3) == 0) vip.push_back(i);
-    if (opt & 1)
-      check(VccAttention<Scalar, vcc::BestFirstDyadic>(o).compute(Q, K, V, vip), n, V);
-    else
-      check(VccAttention<Scalar>(o).compute(Q, K, V, vip), n, V);
-#elif defined(EFFATTN_FUZZ_CONV_BASIS)
-    ConvBasisOptions o;
-    o.scale = scale;
-    o.num_bases = 1 + (opt2 & 15);
-    o.probe = 1 + ((opt2 >> 4) & 7);
-    o.threshold = (opt >> 1) & 1 ? 0.0 : 0.5;
-    o.window = (opt >> 2) & 1 ? 3 : 0;
-    o.block_size = (opt >> 3) & 1 ? 5 : 0;
-    check(ConvBasisAttention<Scalar>(o).compute(Q, K, V), n, V);
-#elif defined(EFFATTN_FUZZ_WILDCAT)
-    WildcatOptions o;
-    o.scale = scale;
-    o.rank = opt2 & 15;  // 0 must throw
-    o.bins = 1 + ((opt2 >> 4) & 3);
-    o.seed = flags;
-    o.rel_tol = (opt >> 1) & 1 ? 1e-3 : 0.0;
-    o.fallback = (opt >> 2) & 1 ? wildcat::Fallback::Midpoint : wildcat::Fallback::Zero;
-    o.causal = causal && ((opt >> 3) & 1);  // must throw
-    check(WildcatAttention<Scalar>(o).compute(Q, K, V), n, V);
-#elif defined(EFFATTN_FUZZ_KEP_SVGP)
-    KepSvgpOptions o;
-    o.scale = scale;
-    o.rank = opt2 & 15;  // 0 must throw
-    o.oversample = (opt2 >> 4) & 7;
-    o.power_iters = (opt >> 1) & 3;
-    o.seed = flags;
-    check_kep(KepSvgpAttention<Scalar>(o).compute(Q, K, V), n, V);
-#else
-#error "define one EFFATTN_FUZZ_<NAME>"
-#endif
+    for_each_method<Scalar>([&](auto tag) {
+      using C = FuzzConfig<typename decltype(tag)::type>;
+      if (selected() != C::id) return;
+      if constexpr (std::is_invocable_v<decltype(&C::run), const Input<Scalar>&, Bytes&>)
+        C::run(in, b);
+      else
+        C::run(in);
+    });
   } catch (const effattn::invalid_argument&) {
     // Documented: bad shapes, non-finite inputs, bad options.
   }
 }
 
 }  // namespace
+
+/// EFFATTN_FUZZ_METHOD selects the target; EFFATTN_FUZZ_LIST=1 prints the targets (one per
+/// functor of effattn::MethodList) and exits: tests/fuzz/run.sh reads the list from here.
+extern "C" int LLVMFuzzerInitialize(int*, char***) {
+  if (std::getenv("EFFATTN_FUZZ_LIST") != nullptr) {
+    for_each_method<float>(
+        [](auto tag) { std::printf("%s\n", FuzzConfig<typename decltype(tag)::type>::id); });
+    std::exit(0);
+  }
+  const char* id = std::getenv("EFFATTN_FUZZ_METHOD");
+  bool known = false;
+  for_each_method<float>([&](auto tag) {
+    known |= id != nullptr && std::string(FuzzConfig<typename decltype(tag)::type>::id) == id;
+  });
+  if (!known) {
+    std::fprintf(stderr, "set EFFATTN_FUZZ_METHOD to a target of EFFATTN_FUZZ_LIST=1\n");
+    std::exit(2);
+  }
+  selected() = id;
+  return 0;
+}
 
 extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
   Bytes b{data, size};

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Builds the libFuzzer targets with clang and runs each for SECONDS (default 20) from a fixed
+# Builds the libFuzzer executable with clang and runs each target (one per functor of
+# effattn::MethodList, listed by the executable itself) for SECONDS (default 20) from a fixed
 # seed, with the regression inputs in tests/fuzz/regressions/ as the starting corpus, as many
 # targets at once as there are cores (EFFATTN_FUZZ_JOBS overrides). A crash, sanitizer report or
 # contract violation fails the run (libFuzzer saves the input as build/fuzz/<target>-crash-*).
@@ -12,16 +13,16 @@ secs=${1:-20}
 shift || true
 build=build/fuzz
 CXX=clang++ cmake -S tests/fuzz -B "$build" -DCMAKE_BUILD_TYPE=Release >/dev/null
+cmake --build "$build" -j"$(nproc)" --target fuzz_attention
 targets=("$@")
 if [ ${#targets[@]} -eq 0 ]; then
-  targets=($(sed -n 's/^set(EFFATTN_FUZZ_TARGETS \(.*\)$/\1/p' tests/fuzz/CMakeLists.txt))
+  targets=($(EFFATTN_FUZZ_LIST=1 "$build/fuzz_attention"))
 fi
-cmake --build "$build" -j2 --target "${targets[@]/#/fuzz_}"
 # Runs one target; its log goes to $build/fuzz_<target>.log.
 run_one() {
   local t=$1
   mkdir -p "$build/corpus_$t"
-  (cd "$build" && ./fuzz_$t -seed=1 -max_total_time="$secs" -max_len=2048 -timeout=10 \
+  (cd "$build" && EFFATTN_FUZZ_METHOD=$t ./fuzz_attention -seed=1 -max_total_time="$secs" -max_len=2048 -timeout=10 \
      -artifact_prefix="./$t-" -print_final_stats=1 "corpus_$t" ../../tests/fuzz/regressions) \
     >"$build/fuzz_$t.log" 2>&1
 }
