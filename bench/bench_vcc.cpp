@@ -19,79 +19,12 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <effattn/vcc.hpp>
 
-#if defined(__GLIBC__) && !defined(__SANITIZE_ADDRESS__)
-#define EFFATTN_BENCH_TRACK_MALLOC 1
-#include <malloc.h>
-extern "C" {
-void* __libc_malloc(std::size_t);
-void __libc_free(void*);
-void* __libc_calloc(std::size_t, std::size_t);
-void* __libc_realloc(void*, std::size_t);
-void* __libc_memalign(std::size_t, std::size_t);
-}
-namespace {
-std::atomic<bool> g_tracking{false};
-std::atomic<long long> g_live{0}, g_peak{0}, g_largest{0};
-void on_alloc(void* p) {
-  if (p == nullptr || !g_tracking.load(std::memory_order_relaxed)) return;
-  const auto sz = static_cast<long long>(malloc_usable_size(p));
-  const long long live = g_live.fetch_add(sz) + sz;
-  long long peak = g_peak.load();
-  while (live > peak && !g_peak.compare_exchange_weak(peak, live)) {
-  }
-  long long largest = g_largest.load();
-  while (sz > largest && !g_largest.compare_exchange_weak(largest, sz)) {
-  }
-}
-void on_free(void* p) {
-  if (p == nullptr || !g_tracking.load(std::memory_order_relaxed)) return;
-  g_live.fetch_sub(static_cast<long long>(malloc_usable_size(p)));
-}
-}  // namespace
-extern "C" {
-void* malloc(std::size_t n) {
-  void* p = __libc_malloc(n);
-  on_alloc(p);
-  return p;
-}
-void free(void* p) {
-  on_free(p);
-  __libc_free(p);
-}
-void* calloc(std::size_t a, std::size_t b) {
-  void* p = __libc_calloc(a, b);
-  on_alloc(p);
-  return p;
-}
-void* realloc(void* q, std::size_t n) {
-  on_free(q);
-  void* p = __libc_realloc(q, n);
-  on_alloc(p != nullptr ? p : (n == 0 ? nullptr : q));
-  return p;
-}
-void* memalign(std::size_t a, std::size_t n) {
-  void* p = __libc_memalign(a, n);
-  on_alloc(p);
-  return p;
-}
-int posix_memalign(void** out, std::size_t a, std::size_t n) {
-  *out = __libc_memalign(a, n);
-  on_alloc(*out);
-  return *out != nullptr ? 0 : 12;
-}
-void* aligned_alloc(std::size_t a, std::size_t n) {
-  void* p = __libc_memalign(a, n);
-  on_alloc(p);
-  return p;
-}
-}
-#else
-#define EFFATTN_BENCH_TRACK_MALLOC 0
-#endif
+#include "malloc_count.hpp"  // heap accounting (glibc malloc interposition), shared with tests
 
 using namespace effattn;
 
@@ -134,20 +67,9 @@ const Matrix<double>& vip_reference(Index n) {
 
 template <typename F>
 void track_memory(benchmark::State& state, F&& f) {
-#if EFFATTN_BENCH_TRACK_MALLOC
-  g_live = 0;
-  g_peak = 0;
-  g_largest = 0;
-  g_tracking = true;
-  f();
-  g_tracking = false;
-  state.counters["peak_MB"] = static_cast<double>(g_peak.load()) / (1 << 20);
-  state.counters["largest_MB"] = static_cast<double>(g_largest.load()) / (1 << 20);
-#else
-  f();
-  state.counters["peak_MB"] = -1;
-  state.counters["largest_MB"] = -1;
-#endif
+  const testing::HeapStats h = testing::track_heap(std::forward<F>(f));  // -1 when unavailable
+  state.counters["peak_MB"] = h.peak < 0 ? -1.0 : static_cast<double>(h.peak) / (1 << 20);
+  state.counters["largest_MB"] = h.largest < 0 ? -1.0 : static_cast<double>(h.largest) / (1 << 20);
 }
 
 template <typename Select, typename NonVip>

@@ -1,103 +1,24 @@
 // Heap accounting for the Tiled kernel: peak extra memory at n = m = 16384, no n x m allocation,
 // and a number of allocations that does not grow with the number of tiles.
 //
-// This executable replaces glibc's malloc family with thin wrappers around the __libc_*
-// implementations that count bytes while tracking is on. Eigen allocates through malloc, and
-// operator new does too, so every heap byte of a computation is seen. Linux/glibc only, and not
-// usable under sanitizers (CMake option EFFATTN_TEST_MEMORY).
+// The heap accounting is tests/malloc_count.hpp (glibc malloc interposition, shared with
+// bench_vcc). Linux/glibc only, and not usable under sanitizers (CMake option EFFATTN_TEST_MEMORY).
+#include "malloc_count.hpp"
 #include "test_utils.hpp"
-
-#include <malloc.h>
-
-#include <atomic>
-#include <cstddef>
 
 #include <effattn/exact.hpp>
 #include <effattn/workloads.hpp>
-
-extern "C" {
-void* __libc_malloc(std::size_t);
-void __libc_free(void*);
-void* __libc_calloc(std::size_t, std::size_t);
-void* __libc_realloc(void*, std::size_t);
-void* __libc_memalign(std::size_t, std::size_t);
-}
+#include <utility>
 
 namespace {
-std::atomic<bool> g_tracking{false};
-std::atomic<long long> g_live{0}, g_peak{0}, g_largest{0}, g_count{0};
-
-void on_alloc(void* p) {
-  if (p == nullptr || !g_tracking.load(std::memory_order_relaxed)) return;
-  const auto sz = static_cast<long long>(malloc_usable_size(p));
-  const long long live = g_live.fetch_add(sz) + sz;
-  long long peak = g_peak.load();
-  while (live > peak && !g_peak.compare_exchange_weak(peak, live)) {
-  }
-  long long largest = g_largest.load();
-  while (sz > largest && !g_largest.compare_exchange_weak(largest, sz)) {
-  }
-  g_count.fetch_add(1);
-}
-void on_free(void* p) {
-  if (p == nullptr || !g_tracking.load(std::memory_order_relaxed)) return;
-  g_live.fetch_sub(static_cast<long long>(malloc_usable_size(p)));
-}
-
-struct Stats {
-  long long peak, largest, count;
-};
-
+using Stats = effattn::testing::HeapStats;
 // Runs f with tracking on; returns the peak of (bytes live - bytes live at start).
 template <typename F>
 Stats track(F&& f) {
-  g_live = 0;
-  g_peak = 0;
-  g_largest = 0;
-  g_count = 0;
-  g_tracking = true;
-  f();
-  g_tracking = false;
-  return {g_peak.load(), g_largest.load(), g_count.load()};
+  static_assert(EFFATTN_TRACK_MALLOC, "test_exact_memory needs glibc malloc interposition");
+  return effattn::testing::track_heap(std::forward<F>(f));
 }
 }  // namespace
-
-extern "C" {
-void* malloc(std::size_t n) {
-  void* p = __libc_malloc(n);
-  on_alloc(p);
-  return p;
-}
-void free(void* p) {
-  on_free(p);
-  __libc_free(p);
-}
-void* calloc(std::size_t a, std::size_t b) {
-  void* p = __libc_calloc(a, b);
-  on_alloc(p);
-  return p;
-}
-void* realloc(void* old, std::size_t n) {
-  on_free(old);
-  void* p = __libc_realloc(old, n);
-  on_alloc(p);
-  return p;
-}
-void* memalign(std::size_t align, std::size_t n) {
-  void* p = __libc_memalign(align, n);
-  on_alloc(p);
-  return p;
-}
-void* aligned_alloc(std::size_t align, std::size_t n) {
-  return memalign(align, n);
-}
-int posix_memalign(void** out, std::size_t align, std::size_t n) {
-  void* p = memalign(align, n);
-  if (p == nullptr) return 12;  // ENOMEM
-  *out = p;
-  return 0;
-}
-}
 
 using namespace effattn;
 
