@@ -3,9 +3,12 @@
 // strided inputs and every bad input.
 #include "test_utils.hpp"
 
+#include <effattn/core/concept.hpp>
 #include <effattn/exact.hpp>
 #include <effattn/workloads.hpp>
 
+#include <set>
+#include <string>
 #include <tuple>
 
 using namespace effattn;
@@ -34,6 +37,57 @@ double lse_tol(double scale_of_lse) {
 }
 
 }  // namespace
+
+TEST_CASE("ExactAttention models the functor concept and states its capabilities", "[exact]") {
+  STATIC_REQUIRE(effattn::is_attention_functor_v<ExactAttention<float>>);
+  STATIC_REQUIRE(effattn::is_attention_functor_v<ExactAttention<double>>);
+  STATIC_REQUIRE(effattn::is_attention_functor_v<ExactAttention<float, policy::Naive>>);
+  STATIC_REQUIRE(effattn::is_attention_functor_v<ExactAttention<double, policy::Naive>>);
+  using T = effattn::functor_traits<ExactAttention<float>>;
+  STATIC_REQUIRE(T::supports_causal);
+  STATIC_REQUIRE_FALSE(T::causal_only);
+  STATIC_REQUIRE_FALSE(T::randomized);
+  STATIC_REQUIRE_FALSE(T::self_attention_only);
+  STATIC_REQUIRE(T::exact);
+  CHECK(std::string(T::name) == "ExactAttention");
+  CHECK(std::string(effattn::functor_traits<ExactAttention<double, policy::Naive>>::name) ==
+        "ExactAttention");
+}
+
+TEMPLATE_TEST_CASE("diagnostics() lists block_q, block_k, kv_splits with unique names", "[exact]",
+                   float, double) {
+  using Scalar = TestType;
+  const Matrix<Scalar> Q = randn<Scalar>(50, 8, 1), K = randn<Scalar>(70, 8, 2),
+                       V = randn<Scalar>(70, 4, 3);
+  ExactOptions o;
+  o.block_q = 16;
+  o.block_k = 32;
+  const auto tiled = ExactAttention<Scalar>(o).compute(Q, K, V);
+  const auto naive = ExactAttention<Scalar, policy::Naive>(o).compute(Q, K, V);
+  REQUIRE(tiled.info == Info::Success);
+  REQUIRE(naive.info == Info::Success);
+  for (const auto& r : {tiled, naive}) {
+    const Diagnostics diag = r.diagnostics();
+    REQUIRE(diag.size() == 3);
+    std::set<std::string> names;
+    for (const Diagnostic& x : diag) {
+      INFO(x.name << " = " << x.value);
+      CHECK(std::isfinite(x.value));
+      names.insert(x.name);
+    }
+    CHECK(names.size() == diag.size());
+    CHECK(std::string(diag[0].name) == "block_q");
+    CHECK(std::string(diag[1].name) == "block_k");
+    CHECK(std::string(diag[2].name) == "kv_splits");
+    CHECK(diag[0].value == static_cast<double>(r.block_q));
+    CHECK(diag[1].value == static_cast<double>(r.block_k));
+    CHECK(diag[2].value == static_cast<double>(r.kv_splits));
+  }
+  CHECK(tiled.block_q == 16);
+  CHECK(tiled.block_k == 32);
+  CHECK(naive.block_q == 0);  // Naive has no tiles
+  CHECK(naive.kv_splits == 1);
+}
 
 TEMPLATE_TEST_CASE("Tiled and Naive match a long-double loop oracle", "[exact]", float, double) {
   using Scalar = TestType;

@@ -1,18 +1,15 @@
 /// \file exact.hpp
 /// \brief Exact softmax attention: a materialised reference and a tiled streaming kernel.
+///
+/// Public declarations only; the kernels and the member definitions are in
+/// `detail/exact_impl.hpp`, included at the end of this file.
 #pragma once
 
-#include <algorithm>
-#include <cmath>
-#include <limits>
 #include <type_traits>
 #include <utility>
-#include <vector>
 
 #include "core/checks.hpp"
-#include "core/online_softmax.hpp"
-#include "core/parallel.hpp"
-#include "core/softmax.hpp"
+#include "core/errors.hpp"
 #include "core/types.hpp"
 
 namespace effattn {
@@ -43,39 +40,20 @@ struct ExactOptions {
   Index block_k = 0;
 };
 
-namespace detail {
-
-/// The Naive kernel, computed entirely in double.
-template <typename Scalar>
-void exact_naive(const ConstRef<Scalar>& Q, const ConstRef<Scalar>& K, const ConstRef<Scalar>& V,
-                 const Scalar* bias, double scale, bool causal, Matrix<Scalar>& out,
-                 Vector<Scalar>& lse) {
-  using MatD = Matrix<double>;
-  const Index n = Q.rows(), m = K.rows();
-  const Index off = m - n;
-  MatD S = (Q.template cast<double>() * scale) * K.template cast<double>().transpose();
-  if (bias != nullptr)
-    for (Index j = 0; j < m; ++j) S.col(j).array() += static_cast<double>(bias[j]);
-  if (causal)
-    for (Index j = 0; j < m; ++j) {
-      const Index hidden = std::min(n, std::max<Index>(0, j - off));  // rows i < j - off
-      S.col(j).head(hidden).setConstant(-std::numeric_limits<double>::infinity());
-    }
-  const Vector<double> lse_d = row_softmax_inplace(S);
-  const MatD O = S * V.template cast<double>();
-  out = O.template cast<Scalar>();
-  lse = lse_d.template cast<Scalar>();
-}
-
-}  // namespace detail
-
 /// Result of `ExactAttention::compute`, shared by both policies.
 template <typename Scalar>
 struct ExactResult : AttentionResult<Scalar> {
   Vector<Scalar> lse;   ///< n values log sum_j exp(logit_ij) over the visible keys.
   Index block_q = 0;    ///< query rows per block used (Tiled; 0 for Naive)
   Index block_k = 0;    ///< keys per tile used (Tiled; 0 for Naive)
-  Index kv_splits = 1;  ///< key-range splits per query block (Tiled)
+  Index kv_splits = 1;  ///< key-range splits per query block (Tiled; 1 for Naive)
+
+  /// {"block_q", "block_k", "kv_splits"}, in this order.
+  Diagnostics diagnostics() const {
+    return {{"block_q", static_cast<double>(block_q)},
+            {"block_k", static_cast<double>(block_k)},
+            {"kv_splits", static_cast<double>(kv_splits)}};
+  }
 };
 
 /// \ingroup Methods
@@ -86,7 +64,8 @@ struct ExactResult : AttentionResult<Scalar> {
 ///     \mathrm{lse}_i = \log \sum_j \exp(s\,\langle q_i, k_j\rangle + b_j) \f]
 ///
 /// \tparam Scalar_ float or double.
-/// \tparam Policy `policy::Tiled` (default) or `policy::Naive`.
+/// \tparam Policy `policy::Tiled` (default) or `policy::Naive`, chosen at compile time: only
+///         the selected kernel is instantiated.
 ///
 /// - **Tiled** (default): for each block of `block_q` queries, loop over tiles of `block_k` keys,
 ///   S = (s Q_b) K_t^T (GEMM), running row max m and sum l with rescaling of the accumulator by
@@ -97,8 +76,9 @@ struct ExactResult : AttentionResult<Scalar> {
 ///   OpenMP; when there are fewer than 8 query blocks the key range is split too and the partial
 ///   states are merged by log-sum-exp. The decomposition depends only on shapes and options, so
 ///   results are bit-identical for any thread count.
-/// - **Naive**: materialises the n x m scores in double, stable row softmax, O = P V. O(n m)
-///   memory; the reference. Computed in double even for float inputs.
+/// - **Naive**: materialises the n x m scores in double, stable row softmax, O = P V. 2 n m (d +
+///   dv) flops in double and O(n m) memory; the reference. Computed in double even for float
+///   inputs.
 ///
 /// With `causal`, query i sees keys j <= i + (m - n) (bottom-right aligned); key tiles beyond
 /// the diagonal are skipped and the diagonal tile is masked.
@@ -119,8 +99,7 @@ struct ExactResult : AttentionResult<Scalar> {
 template <typename Scalar_, typename Policy = policy::Tiled>
 class ExactAttention {
   static_assert(detail::is_supported_scalar_v<Scalar_>, "effattn: Scalar must be float or double");
-  static_assert(std::is_same<Policy, policy::Tiled>::value ||
-                    std::is_same<Policy, policy::Naive>::value,
+  static_assert(std::is_same_v<Policy, policy::Tiled> || std::is_same_v<Policy, policy::Naive>,
                 "effattn: ExactAttention policy must be policy::Tiled or policy::Naive");
 
  public:
@@ -132,18 +111,31 @@ class ExactAttention {
   /// Result of `compute` (the same type for both policies).
   using Result = ExactResult<Scalar>;
 
+  /// The method's name, as in messages.
+  static constexpr const char* name = "ExactAttention";
+  /// `Options::causal` is honoured (bottom-right aligned mask).
+  static constexpr bool supports_causal = true;
+  /// Both the causal and the non-causal forms exist.
+  static constexpr bool causal_only = false;
+  /// Deterministic: no seed.
+  static constexpr bool randomized = false;
+  /// Q and K may have different numbers of rows (cross-attention, decoding against a cache).
+  static constexpr bool self_attention_only = false;
+  /// The output is softmax attention up to round-off.
+  static constexpr bool exact = true;
+
   /// \throws effattn::invalid_argument if `scale` is negative or non-finite, or a block size < 0.
   explicit ExactAttention(Options opts = {}) : m_opts(opts) {
-    detail::check_scale_option(m_opts.scale, "ExactAttention");
-    EFFATTN_CHECK(m_opts.block_q >= 0,
-                  detail::cat("ExactAttention: Options::block_q must be >= 0 (0 = automatic); got ",
-                              m_opts.block_q));
-    EFFATTN_CHECK(m_opts.block_k >= 0,
-                  detail::cat("ExactAttention: Options::block_k must be >= 0 (0 = automatic); got ",
-                              m_opts.block_k));
+    detail::check_scale_option(m_opts.scale, name);
+    EFFATTN_CHECK(
+        m_opts.block_q >= 0,
+        detail::cat(name, ": Options::block_q must be >= 0 (0 = automatic); got ", m_opts.block_q));
+    EFFATTN_CHECK(
+        m_opts.block_k >= 0,
+        detail::cat(name, ": Options::block_k must be >= 0 (0 = automatic); got ", m_opts.block_k));
   }
 
-  /// Attention of Q (n x d) over K (m x d), V (m x dv).
+  /// Attention of Q (n x d) over K (m x d), V (m x dv); `output` is n x dv, `lse` has n values.
   /// \throws effattn::invalid_argument on empty, mismatched or non-finite inputs, and for
   ///         `causal` with m < n.
   [[nodiscard]] Result compute(const Ref& Q, const Ref& K, const Ref& V) const {
@@ -153,35 +145,17 @@ class ExactAttention {
   /// Attention with an additive per-key logit bias b (m values): logit_ij = s <q_i, k_j> + b_j.
   /// b_j = log c_j is the log-count correction of a key standing for c_j identical keys, and
   /// b_j = -inf masks key j (padding). Every query must keep at least one visible key.
+  /// Validation costs O(m) on top of `compute(Q, K, V)`.
   /// \throws effattn::invalid_argument as `compute(Q, K, V)`, and if `key_bias` has the wrong
   ///         length, contains NaN or +inf, or masks every key of some query.
   [[nodiscard]] Result compute(const Ref& Q, const Ref& K, const Ref& V,
-                               const ConstVectorRef<Scalar>& key_bias) const {
-    EFFATTN_CHECK(key_bias.size() == K.rows(),
-                  detail::cat("ExactAttention: key_bias must have m = K.rows() = ", K.rows(),
-                              " entries; got ", key_bias.size()));
-    Index first_visible = -1;
-    for (Index j = 0; j < key_bias.size(); ++j) {
-      const Scalar b = key_bias(j);
-      EFFATTN_CHECK(!std::isnan(b) && b != std::numeric_limits<Scalar>::infinity(),
-                    detail::cat("ExactAttention: key_bias must be finite or -inf (a masked key); "
-                                "got ",
-                                b, " at index ", j));
-      if (first_visible < 0 && std::isfinite(b)) first_visible = j;
-    }
-    const Index last_allowed = m_opts.causal ? K.rows() - Q.rows() : K.rows() - 1;
-    EFFATTN_CHECK(first_visible >= 0 && first_visible <= last_allowed,
-                  detail::cat("ExactAttention: key_bias masks every key visible to query 0 (first "
-                              "unmasked key: ",
-                              first_visible, ")"));
-    return run(Q, K, V, key_bias.data());
-  }
+                               const ConstVectorRef<Scalar>& key_bias) const;
 
   /// Convenience: `compute(Q, K, V).output`.
   /// \throws effattn::numerical_error if the result is not finite (logits overflowed).
   MatrixType operator()(const Ref& Q, const Ref& K, const Ref& V) const {
     Result r = compute(Q, K, V);
-    if (r.info != Info::Success) detail::throw_numerical_error("ExactAttention", r.info);
+    if (r.info != Info::Success) detail::throw_numerical_error(name, r.info);
     return std::move(r.output);
   }
 
@@ -189,30 +163,8 @@ class ExactAttention {
   const Options& options() const noexcept { return m_opts; }
 
  private:
-  Result run(const Ref& Q, const Ref& K, const Ref& V, const Scalar* bias) const {
-    detail::check_attention_inputs(Q, K, V, "ExactAttention");
-    EFFATTN_CHECK(
-        !m_opts.causal || K.rows() >= Q.rows(),
-        detail::cat("ExactAttention: causal attention needs m >= n (query i sees keys "
-                    "j <= i + m - n, so the first n - m queries would see none); got n = ",
-                    Q.rows(), ", m = ", K.rows()));
-    const double scale = detail::resolve_scale(m_opts.scale, Q.cols());
-    Result r;
-    if (std::is_same<Policy, policy::Naive>::value) {
-      detail::exact_naive<Scalar>(Q, K, V, bias, scale, m_opts.causal, r.output, r.lse);
-    } else {
-      const detail::TilePlan plan = detail::plan_tiles(Q.rows(), K.rows(), Q.cols(), V.cols(),
-                                  static_cast<Index>(sizeof(Scalar)), m_opts.block_q, m_opts.block_k);
-      detail::tiled_attention<Scalar>(Q, K, V, bias, static_cast<Scalar>(scale), m_opts.causal, plan,
-                                  r.output, r.lse);
-      r.block_q = plan.bq;
-      r.block_k = plan.bk;
-      r.kv_splits = plan.kv_splits;
-    }
-    r.info = detail::all_finite(r.output) && detail::all_finite(r.lse) ? Info::Success
-                                                                       : Info::NumericalIssue;
-    return r;
-  }
+  /// Validates the inputs and runs the policy's kernel; `bias` is null or points to m values.
+  Result run(const Ref& Q, const Ref& K, const Ref& V, const Scalar* bias) const;
 
   Options m_opts;
 };
@@ -227,3 +179,16 @@ using NaiveAttentionf = ExactAttention<float, policy::Naive>;
 using NaiveAttentiond = ExactAttention<double, policy::Naive>;
 
 }  // namespace effattn
+
+#include "detail/exact_impl.hpp"
+
+#ifdef EFFATTN_COMPILED
+namespace effattn {
+// Both policies are reference policies of the library: the default Tiled kernel, and Naive, the
+// materialised reference the tests and the comparison program measure every method against.
+extern template class ExactAttention<float, policy::Tiled>;
+extern template class ExactAttention<double, policy::Tiled>;
+extern template class ExactAttention<float, policy::Naive>;
+extern template class ExactAttention<double, policy::Naive>;
+}  // namespace effattn
+#endif

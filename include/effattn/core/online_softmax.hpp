@@ -1,12 +1,19 @@
 /// \file online_softmax.hpp
 /// \brief The tiled online-softmax kernel shared by exact attention (`policy::Tiled`) and EVA's
 /// chunk statistics: tile planning, per-thread workspaces, one query block streamed over a key
-/// range, and the whole-problem driver with split-KV log-sum-exp merging.
+/// range, the merge of split-KV partial states, and the whole-problem driver.
 ///
-/// One query block of `bq` rows keeps a running row maximum m, running row sums l (in double)
-/// and an unnormalised accumulator; each key tile of `bk` keys costs two GEMMs
-/// (S = (s Q_b) K_t^T and acc += exp(S - m) V_t) and one vectorised exp, with the old state
-/// rescaled by exp(m_old - m_new) (Milakov and Gimelshein 2018; Dao et al. 2022).
+/// The online softmax (Milakov and Gimelshein 2018; Dao et al. 2022, FlashAttention) computes
+/// softmax(S) V one key tile at a time without storing S. Per query row it keeps a running
+/// maximum m, a running sum l = sum_j exp(s_j - m) (in double) and an unnormalised accumulator
+/// a = sum_j exp(s_j - m) v_j. A new tile with scores s_t and values V_t updates them as
+/// \f[ m' = \max(m, \max_t s_t),\quad \alpha = e^{m - m'},\quad
+///     l' = \alpha l + \sum_t e^{s_t - m'},\quad a' = \alpha a + e^{s_t - m'} V_t, \f]
+/// and at the end O = a / l, lse = m + log l. Each key tile of `bk` keys costs two GEMMs
+/// (S = (s Q_b) K_t^T and a += exp(S - m) V_t) and one vectorised exp over the bq x bk tile.
+///
+/// The row-wise (materialised) counterparts, and the small helpers both files share (the
+/// masked-exp convention, the shifts, the row maximum), are in `softmax.hpp`.
 #pragma once
 
 #include <algorithm>
@@ -15,6 +22,7 @@
 #include <vector>
 
 #include "parallel.hpp"
+#include "softmax.hpp"
 #include "types.hpp"
 
 namespace effattn {
@@ -29,6 +37,8 @@ struct TilePlan {
   Index kv_splits = 1;  ///< key-range splits per query block (split-KV for few query blocks)
 };
 
+/// The tile plan of an n x m problem with key width d, value width dv and `scalar_bytes`-byte
+/// scalars; `block_q` / `block_k` > 0 override the automatic tile sizes. O(1).
 inline TilePlan plan_tiles(Index n, Index m, Index d, Index dv, Index scalar_bytes, Index block_q,
                            Index block_k) {
   TilePlan p;
@@ -58,7 +68,8 @@ inline TilePlan plan_tiles(Index n, Index m, Index d, Index dv, Index scalar_byt
   return p;
 }
 
-/// Per-thread buffers of the Tiled kernel, allocated once per thread per call.
+/// Per-thread buffers of the Tiled kernel, allocated once per thread per call:
+/// O(bq (d + bk + dv)) scalars.
 template <typename Scalar>
 struct TileWorkspace {
   using Array = Eigen::Array<Scalar, Eigen::Dynamic, 1>;
@@ -80,11 +91,16 @@ struct TileWorkspace {
         l(bq) {}
 };
 
-/// Online-softmax pass of query rows [i0, i0 + bq) over keys [k_begin, k_end). Leaves the
-/// running max in ws.m, the row sums (relative to ws.m) in ws.l and the unnormalised output in
-/// ws.acc. Rows that saw no visible key keep m = -inf, l = 0, acc = 0.
+/// Online-softmax pass of query rows [i0, i0 + bq) over keys [k_begin, k_end) (see the file
+/// documentation), with logits scale <q_i, k_j> + bias[j] (`bias` null or m values, -inf masks a
+/// key) and, with `causal`, key j hidden from row i when j > i + (m - n). `Kt` is K^T (d x m;
+/// a `Matrix` binds without a copy).
+/// Leaves the running max in ws.m, the row sums (relative to ws.m) in ws.l and the unnormalised
+/// output in ws.acc. Rows that saw no visible key keep m = -inf, l = 0, acc = 0.
+/// Cost 2 bq (k_end - k_begin) (d + dv) flops (key tiles past the causal diagonal are skipped);
+/// no allocation.
 template <typename Scalar>
-void online_softmax_block(const ConstRef<Scalar>& Q, const Matrix<Scalar>& Kt,
+void online_softmax_block(const ConstRef<Scalar>& Q, const ConstRef<Scalar>& Kt,
                           const ConstRef<Scalar>& V, const Scalar* bias, Scalar scale, bool causal,
                           Index i0, Index bq, Index k_begin, Index k_end, Index bk,
                           TileWorkspace<Scalar>& ws) {
@@ -109,7 +125,9 @@ void online_softmax_block(const ConstRef<Scalar>& Q, const Matrix<Scalar>& Kt,
   for (Index j0 = k_begin; j0 < k_end; j0 += bk) {
     const Index cols = std::min(bk, k_end - j0);
     auto S = ws.s.topLeftCorner(bq, cols);
-    S.noalias() = q * Kt.middleCols(j0, cols);
+    // block() rather than middleCols(): both GEMMs of the tile then multiply a workspace block by
+    // a Block<const ConstRef>, one product instantiation instead of two.
+    S.noalias() = q * Kt.block(0, j0, Kt.rows(), cols);
     if (bias != nullptr)
       for (Index c = 0; c < cols; ++c) S.col(c).array() += bias[j0 + c];
     // Diagonal tile: key j is hidden from local rows r < j - off - i0 (a prefix of the column).
@@ -117,17 +135,20 @@ void online_softmax_block(const ConstRef<Scalar>& Q, const Matrix<Scalar>& Kt,
     auto hidden_rows = [&](Index c) { return std::max<Index>(0, std::min(bq, j0 + c - off - i0)); };
     if (diagonal)
       for (Index c = 0; c < cols; ++c) S.col(c).head(hidden_rows(c)).setConstant(ninf);
-    tmax = S.col(0).array();
-    for (Index c = 1; c < cols; ++c) tmax = tmax.max(S.col(c).array());
+    row_max_into(S, tmax);
     tmax = tmax.max(m);  // new running max
     // Rows that have seen no visible key yet keep max -inf; shift them by 0 to avoid inf - inf.
-    shift = (tmax == ninf).select(Scalar(0), tmax);
-    alpha = (m - shift).exp();  // rescale factor of the old state (0 when m was -inf)
+    shift = neg_inf_to_zero(tmax);
+    // Rescale factor of the old state. Where m was -inf it is exp(-inf), ~1e-38 under Eigen's
+    // vectorised exp, but the old state is l = 0, acc = 0 there, so it stays exactly 0.
+    alpha = (m - shift).exp();
     tsum.setZero();
     for (Index c = 0; c < cols; ++c) {
       S.col(c).array() = (S.col(c).array() - shift).exp();
       // Masked entries must be exactly 0: Eigen's vectorised exp clamps its argument, so
       // exp(-inf) would give ~1e-38 (float), which a huge value could still turn into a bias.
+      // The masked positions are known here, so they are zeroed after the vectorised exp
+      // (masked_exp would test every entry and fall back to the scalar exp).
       if (diagonal) S.col(c).head(hidden_rows(c)).setZero();
       if (bias != nullptr && bias[j0 + c] == ninf) S.col(c).setZero();
       tsum += S.col(c).array();
@@ -139,7 +160,39 @@ void online_softmax_block(const ConstRef<Scalar>& Q, const Matrix<Scalar>& Kt,
   }
 }
 
-/// The Tiled kernel: out (n x dv) and lse (n) for the whole problem.
+/// Merges S partial online-softmax states of the same n rows over disjoint key ranges (column s
+/// of `part_m` / `part_l` and `part_acc[s]` hold split s's m, l and accumulator) into the final
+/// output and log-sum-exp: with M = max_s m_s and w_s = exp(m_s - M),
+/// \f[ O = \frac{\sum_s w_s a_s}{\sum_s w_s l_s}, \qquad
+///     \mathrm{lse} = M + \log \sum_s w_s l_s. \f]
+/// Every row must have seen a key in some split (M finite); a split in which a row saw none has
+/// l = 0 and a = 0 and adds nothing. The splits are summed in the fixed order s = 0, 1, ..., so
+/// the result does not depend on how the splits were scheduled. O(S n dv).
+template <typename Scalar>
+void merge_split_states(const Matrix<Scalar>& part_m,
+                        const Eigen::Matrix<double, Eigen::Dynamic, Eigen::Dynamic>& part_l,
+                        const std::vector<Matrix<Scalar>>& part_acc, Matrix<Scalar>& out,
+                        Vector<Scalar>& lse) {
+  const Index n = part_m.rows(), splits = part_m.cols();
+  const Vector<Scalar> mx = part_m.rowwise().maxCoeff();  // finite: every row sees a key
+  Eigen::Array<double, Eigen::Dynamic, 1> total = Eigen::Array<double, Eigen::Dynamic, 1>::Zero(n);
+  out.setZero();
+  for (Index s = 0; s < splits; ++s) {
+    // A row that saw no key in split s has m = -inf: its weight is exp(-inf), which Eigen's
+    // vectorised exp returns as ~1e-38 rather than 0, but it multiplies l = 0 and acc = 0.
+    const Eigen::Array<Scalar, Eigen::Dynamic, 1> w = (part_m.col(s) - mx).array().exp();
+    total += part_l.col(s).array() * w.template cast<double>();
+    out.array() += part_acc[static_cast<std::size_t>(s)].array().colwise() * w;
+  }
+  out.array().colwise() /= total.template cast<Scalar>();
+  lse.array() = mx.array() + total.log().template cast<Scalar>();
+}
+
+/// The Tiled kernel: out (n x dv) = softmax(scale Q K^T + 1 bias^T [+ causal mask]) V and lse (n)
+/// for the whole problem, split as `plan` says. Query blocks (times key splits) run in parallel;
+/// every row must see at least one visible key. 4 n m d flops for d = dv (about half with
+/// `causal`), O(m d) for K^T, O(threads bq (d + bk + dv)) workspace, plus O(kv_splits n dv) for
+/// the partial accumulators when the key range is split.
 template <typename Scalar>
 void tiled_attention(const ConstRef<Scalar>& Q, const ConstRef<Scalar>& K,
                      const ConstRef<Scalar>& V, const Scalar* bias, Scalar scale, bool causal,
@@ -153,7 +206,8 @@ void tiled_attention(const ConstRef<Scalar>& Q, const ConstRef<Scalar>& K,
   // K^T (d x m) once per call, O(m d): every key tile K_t^T is then a contiguous column block,
   // which Eigen packs with unit-stride reads (packing K_t^T from the column-major K strided by m
   // cost ~8% of the run time at n = m = 4096, d = 64).
-  const Matrix<Scalar> Kt = K.transpose();
+  const Matrix<Scalar> Kt_data = K.transpose();
+  const ConstRef<Scalar> Kt(Kt_data);
 
   if (splits == 1) {
     parallel_for(plan.q_blocks, make_ws, [&](Index b, TileWorkspace<Scalar>& ws) {
@@ -185,17 +239,7 @@ void tiled_attention(const ConstRef<Scalar>& Q, const ConstRef<Scalar>& K,
     part_l.col(s).segment(i0, rows) = ws.l.head(rows).matrix();
     part_acc[static_cast<std::size_t>(s)].middleRows(i0, rows) = ws.acc.topRows(rows);
   });
-  const Vector<Scalar> mx = part_m.rowwise().maxCoeff();  // finite: every row sees a key
-  Eigen::Array<double, Eigen::Dynamic, 1> total = Eigen::Array<double, Eigen::Dynamic, 1>::Zero(n);
-  out.setZero();
-  for (Index s = 0; s < splits; ++s) {
-    // Splits in which a row saw no key have m = -inf and contribute exp(-inf) = 0.
-    const Eigen::Array<Scalar, Eigen::Dynamic, 1> w = (part_m.col(s) - mx).array().exp();
-    total += part_l.col(s).array() * w.template cast<double>();
-    out.array() += part_acc[static_cast<std::size_t>(s)].array().colwise() * w;
-  }
-  out.array().colwise() /= total.template cast<Scalar>();
-  lse.array() = mx.array() + total.log().template cast<Scalar>();
+  merge_split_states(part_m, part_l, part_acc, out, lse);
 }
 
 }  // namespace detail

@@ -1,0 +1,98 @@
+/// \file exact_impl.hpp
+/// \brief Implementation of `ExactAttention` (exact.hpp): the Naive kernel and the out-of-class
+/// member definitions. The Tiled kernel is the shared online-softmax kernel of
+/// `core/online_softmax.hpp`.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <type_traits>
+
+#include "../core/checks.hpp"
+#include "../core/online_softmax.hpp"
+#include "../core/softmax.hpp"
+#include "../core/types.hpp"
+#include "../exact.hpp"
+
+namespace effattn {
+namespace detail {
+
+/// The Naive kernel, computed entirely in double: S = (s Q) K^T + 1 b^T with the causal mask as
+/// -inf, P = row_softmax(S) (max-subtracted, sums in double), O = P V, lse = the row
+/// log-sum-exp values. 2 n m (d + dv) flops, n m doubles of memory.
+template <typename Scalar>
+void exact_naive(const ConstRef<Scalar>& Q, const ConstRef<Scalar>& K, const ConstRef<Scalar>& V,
+                 const Scalar* bias, double scale, bool causal, Matrix<Scalar>& out,
+                 Vector<Scalar>& lse) {
+  using MatD = Matrix<double>;
+  const Index n = Q.rows(), m = K.rows();
+  const Index off = m - n;
+  MatD S = (Q.template cast<double>() * scale) * K.template cast<double>().transpose();
+  if (bias != nullptr)
+    for (Index j = 0; j < m; ++j) S.col(j).array() += static_cast<double>(bias[j]);
+  if (causal)
+    for (Index j = 0; j < m; ++j) {
+      const Index hidden = std::min(n, std::max<Index>(0, j - off));  // rows i < j - off
+      S.col(j).head(hidden).setConstant(-std::numeric_limits<double>::infinity());
+    }
+  const Vector<double> lse_d = row_softmax_inplace(S);
+  const MatD O = S * V.template cast<double>();
+  out = O.template cast<Scalar>();
+  lse = lse_d.template cast<Scalar>();
+}
+
+}  // namespace detail
+
+template <typename Scalar_, typename Policy>
+typename ExactAttention<Scalar_, Policy>::Result ExactAttention<Scalar_, Policy>::compute(
+    const Ref& Q, const Ref& K, const Ref& V, const ConstVectorRef<Scalar>& key_bias) const {
+  EFFATTN_CHECK(key_bias.size() == K.rows(),
+                detail::cat(name, ": key_bias must have m = K.rows() = ", K.rows(),
+                            " entries; got ", key_bias.size()));
+  Index first_visible = -1;
+  for (Index j = 0; j < key_bias.size(); ++j) {
+    const Scalar b = key_bias(j);
+    EFFATTN_CHECK(!std::isnan(b) && b != std::numeric_limits<Scalar>::infinity(),
+                  detail::cat(name, ": key_bias must be finite or -inf (a masked key); got ", b,
+                              " at index ", j));
+    if (first_visible < 0 && std::isfinite(b)) first_visible = j;
+  }
+  // Query 0 sees the fewest keys: 0 .. m - n with `causal`, all of them otherwise.
+  const Index last_allowed = m_opts.causal ? K.rows() - Q.rows() : K.rows() - 1;
+  EFFATTN_CHECK(
+      first_visible >= 0 && first_visible <= last_allowed,
+      detail::cat(name, ": key_bias masks every key visible to query 0 (first unmasked key: ",
+                  first_visible, ")"));
+  return run(Q, K, V, key_bias.data());
+}
+
+template <typename Scalar_, typename Policy>
+typename ExactAttention<Scalar_, Policy>::Result ExactAttention<Scalar_, Policy>::run(
+    const Ref& Q, const Ref& K, const Ref& V, const Scalar* bias) const {
+  detail::check_attention_inputs(Q, K, V, name);
+  EFFATTN_CHECK(!m_opts.causal || K.rows() >= Q.rows(),
+                detail::cat(name,
+                            ": causal attention needs m >= n (query i sees keys j <= i + m - n, "
+                            "so the first n - m queries would see none); got n = ",
+                            Q.rows(), ", m = ", K.rows()));
+  const double scale = detail::resolve_scale(m_opts.scale, Q.cols());
+  Result r;
+  if constexpr (std::is_same_v<Policy, policy::Naive>) {
+    detail::exact_naive<Scalar>(Q, K, V, bias, scale, m_opts.causal, r.output, r.lse);
+  } else {
+    const detail::TilePlan plan =
+        detail::plan_tiles(Q.rows(), K.rows(), Q.cols(), V.cols(),
+                           static_cast<Index>(sizeof(Scalar)), m_opts.block_q, m_opts.block_k);
+    detail::tiled_attention<Scalar>(Q, K, V, bias, static_cast<Scalar>(scale), m_opts.causal, plan,
+                                    r.output, r.lse);
+    r.block_q = plan.bq;
+    r.block_k = plan.bk;
+    r.kv_splits = plan.kv_splits;
+  }
+  r.info = detail::all_finite(r.output) && detail::all_finite(r.lse) ? Info::Success
+                                                                     : Info::NumericalIssue;
+  return r;
+}
+
+}  // namespace effattn
