@@ -1,9 +1,10 @@
-// Tests of effattn/eva.hpp. Oracles: a per-query long-double reference written from the spec's
+// Tests of effattn/eva.hpp. Oracles: a per-query long-double reference written from the paper's
 // definitions (below, no effattn kernels), exact attention (loop_attention / Naive), a classic
 // Performer written here, and Monte-Carlo means with standard-error bounds.
 #include "conformance.hpp"
 #include "test_utils.hpp"
 
+#include <effattn/core/concept.hpp>
 #include <effattn/eva.hpp>
 #include <effattn/exact.hpp>
 #include <effattn/workloads.hpp>
@@ -12,8 +13,10 @@
 #include <cstdlib>
 #include <iostream>
 #include <map>
+#include <set>
 #include <stdexcept>
 #include <string>
+#include <string_view>
 #include <tuple>
 #include <vector>
 
@@ -43,7 +46,7 @@ Matrix<Scalar> randn(Index r, Index c, std::uint64_t seed, double sd = 1.0) {
   return m;
 }
 
-// max |A - B| / max |V|: the spec's error metric for round-off comparisons.
+// max |A - B| / max |V|: the error metric for round-off comparisons.
 template <typename DA, typename DB, typename DV>
 double vrel_err(const Eigen::MatrixBase<DA>& A, const Eigen::MatrixBase<DB>& B,
                 const Eigen::MatrixBase<DV>& V) {
@@ -435,7 +438,7 @@ TEMPLATE_TEST_CASE("Exactness limits: window >= m, or chunk size 1, give softmax
         const double err = vrel_err(r.output, expect, V);
         INFO("n=" << sh.n << " m=" << sh.m << " causal=" << causal << " window=" << o.window
                   << " L=" << o.chunk_size << " S=" << o.samples << " err=" << err);
-        // Spec T1 tolerances (double 1e-12, float 2e-5); measured worst 4e-16 / 3.0e-7.
+        // Tolerances (double 1e-12, float 2e-5); measured worst 4e-16 / 3.0e-7.
         CHECK(err <= (is_float<Scalar>() ? 2e-5 : 1e-12));
         worst = std::max(worst, err);
       }
@@ -444,11 +447,11 @@ TEMPLATE_TEST_CASE("Exactness limits: window >= m, or chunk size 1, give softmax
   if (verbose()) std::cout << "[eva] exactness limits: worst " << worst << "\n";
 }
 
-TEMPLATE_TEST_CASE("RandomFeatures equals an independent Performer", "[eva][performer]", float,
+TEMPLATE_TEST_CASE("PerformerAttention equals an independent Performer", "[eva][performer]", float,
                    double) {
   using Scalar = TestType;
   const Index n = 40, m = 70, d = 8, dv = 5;
-  // Rows on the sphere of radius 1.5 d^(1/4), so ||q~|| = ||k~|| = 1.5 (spec T3).
+  // Rows on the sphere of radius 1.5 d^(1/4), so ||q~|| = ||k~|| = 1.5.
   Matrix<Scalar> Q = randn<Scalar>(n, d, 1), K = randn<Scalar>(m, d, 2);
   const Matrix<Scalar> V = randn<Scalar>(m, dv, 3);
   const auto radius = static_cast<Scalar>(1.5 * std::pow(static_cast<double>(d), 0.25));
@@ -458,36 +461,47 @@ TEMPLATE_TEST_CASE("RandomFeatures equals an independent Performer", "[eva][perf
   K *= radius;
   double worst = 0;
   for (const Index S : {Index(1), Index(16), Index(64)}) {
-    EvaOptions o;
+    PerformerOptions o;
     o.samples = S;
     o.seed = 77 + static_cast<std::uint64_t>(S);
-    const auto r = PerformerAttention<Scalar>(o).compute(Q, K, V);
+    const PerformerAttention<Scalar> f(o);
+    const auto r = f.compute(Q, K, V);
     REQUIRE(r.info == Info::Success);
-    CHECK(r.samples == S);
-    CHECK(r.num_chunks == 1);
-    CHECK(r.window == 0);
-    CHECK(r.max_logits == S);
+    CHECK(r.features == S);
+    CHECK(f.features() == S);
+    CHECK(r.omega.rows() == S);
+    CHECK(r.omega.cols() == d);
     const Matrix<double> expect = ref::performer(Q, K, V, S, o.seed);
     const double err = vrel_err(r.output, expect, V);
     INFO("S=" << S << " err=" << err);
-    // Spec T3 tolerances (double 1e-10, float 1e-4); measured 4e-16 / 3e-7.
+    // Tolerances double 1e-10, float 1e-4; measured 4e-16 / 3e-7.
     CHECK(err <= (is_float<Scalar>() ? 1e-4 : 1e-10));
     worst = std::max(worst, err);
-    // The policy is a preset of the same kernel: EVA with E = {}, one chunk, mu = 0.
-    EvaOptions e = o;
+    // omega holds the documented draws: the columns of fill_normal(make_rng(seed, 0)), d x S.
+    Eigen::MatrixXd W(d, S);
+    Rng rng = make_rng(o.seed, 0);
+    fill_normal(W, rng);
+    CHECK(bitwise_equal(r.omega, Matrix<Scalar>(W.transpose().template cast<Scalar>())));
+    // The Performer is a preset of the EVA kernel: E = {}, one chunk, mu = 0, no mass term.
+    EvaOptions e;
+    e.samples = S;
+    e.seed = o.seed;
     e.window = 0;
     e.chunk_size = m;
     e.proposal = eva::Proposal::Zero;
     e.mass = eva::Mass::Literal;
-    CHECK(bitwise_equal(EvaAttention<Scalar>(e)(Q, K, V), r.output));
+    const auto re = EvaAttention<Scalar>(e).compute(Q, K, V);
+    CHECK(bitwise_equal(re.output, r.output));
+    CHECK(bitwise_equal(re.omega, r.omega));
   }
-  // samples = 0 means 64 features for RandomFeatures.
-  CHECK(PerformerAttention<Scalar>().compute(Q, K, V).samples == 64);
+  // samples = 0 means 64 features.
+  CHECK(PerformerAttention<Scalar>().compute(Q, K, V).features == 64);
+  CHECK(PerformerAttention<Scalar>().features() == 64);
   if (verbose()) std::cout << "[eva] performer vs classic: worst " << worst << "\n";
 }
 
 TEST_CASE("Performer error falls as the feature count grows", "[eva][performer][statistical]") {
-  // Spec T5 (RFA part): mean relative error over 16 seeds, S = 4 vs 256. SNIS error is
+  // Mean relative error over 16 seeds, S = 4 vs 256. SNIS error is
   // O(S^-1/2), so the ratio should be near 1/8; we require < 1/2 (measured: see INFO).
   const Index n = 128, d = 16;
   Matrix<double> Q = randn<double>(n, d, 11), K = randn<double>(n, d, 12);
@@ -500,7 +514,7 @@ TEST_CASE("Performer error falls as the feature count grows", "[eva][performer][
   auto mean_err = [&](Index S) {
     double sum = 0;
     for (std::uint64_t seed = 0; seed < 16; ++seed) {
-      EvaOptions o;
+      PerformerOptions o;
       o.samples = S;
       o.seed = seed;
       sum += rel_fro_error(PerformerAttentiond(o)(Q, K, V), exact);
@@ -519,7 +533,7 @@ TEST_CASE("Performer error falls as the feature count grows", "[eva][performer][
 }
 
 TEST_CASE("Chunk statistics are unbiased importance-sampling estimates", "[eva][statistical]") {
-  // Spec T4 (a) and (c), on the statistics a compute exposes (chunk c, sample s):
+  // Unbiasedness and consistency, on the statistics a compute exposes (chunk c, sample s):
   //   Zhat = exp(-w.mu + |mu|^2/2) xi(q~, w) exp(a_{c,s}),  Nhat = Zhat b_{c,s},
   // with w = w_{c,s} ~ N(mu_c, I), xi(x, w) = exp(w.x - |x|^2/2). Importance sampling gives
   //   E[Zhat] = sum_{m in P_c} exp(q~.k~_m) and E[Nhat] = sum_{m in P_c} exp(q~.k~_m) v_m,
@@ -600,7 +614,7 @@ TEST_CASE("Chunk statistics are unbiased importance-sampling estimates", "[eva][
 
 TEST_CASE("SumMeans with singleton chunks is exact at every draw (zero variance)",
           "[eva][statistical]") {
-  // Spec T4 (b) and Prop. 1: with P_c = {c} and mu_c = q~_c + k~_c (the query at the chunk's
+  // Zero variance (Prop. 1): with P_c = {c} and mu_c = q~_c + k~_c (the query at the chunk's
   // position), the importance weight exp(-w.mu + |mu|^2/2) xi(q~_c, w) xi(k~_c, w) equals
   // exp(q~_c . k~_c) for every w, and b_{c,s} = v_c for every w. For another query it varies.
   const Index n = 16, d = 4, dv = 2, S = 8;
@@ -641,7 +655,7 @@ TEST_CASE("SumMeans with singleton chunks is exact at every draw (zero variance)
 }
 
 TEST_CASE("Error falls with smaller chunks and with larger windows", "[eva][quality]") {
-  // Spec T6 (statistical part), deterministic mode, LogCount, double, n = 512, d = 32. Measured
+  // Deterministic mode, LogCount, double, n = 512, d = 32. Measured
   // relative Frobenius errors (printed with EFFATTN_TEST_VERBOSE):
   //   positional full,   window 32, L = 32..1: 0.386 0.359 0.256 0.200 0.089 0
   //                      L = 8, window = 8..256: 0.369 0.324 0.256 0.192 0.135 0.082
@@ -695,7 +709,7 @@ TEST_CASE("Error falls with smaller chunks and with larger windows", "[eva][qual
 }
 
 TEST_CASE("EVA beats local attention, and Performer at equal budget", "[eva][quality]") {
-  // Spec T11 / the issue's bar at a test-sized n: window 64, chunk 64, n = 1024, d = 64, float
+  // The quality bar at a test-sized n: window 64, chunk 64, n = 1024, d = 64, float
   // inputs as in the benchmark. Performer gets EVA's budget S = max_logits = 79 features; its
   // error is averaged over 4 seeds. Local-only = exact attention within each 64-block. Measured
   // relative Frobenius errors (EVA / Performer / local-only):
@@ -718,7 +732,7 @@ TEST_CASE("EVA beats local attention, and Performer at equal budget", "[eva][qua
     const double e_eva = rel_fro_error(eva(w.Q, w.K, w.V), exact);
     double e_rfa = 0;
     for (std::uint64_t seed = 0; seed < 4; ++seed) {
-      EvaOptions p;
+      PerformerOptions p;
       p.samples = budget;
       p.seed = seed;
       e_rfa += rel_fro_error(PerformerAttentionf(p)(w.Q, w.K, w.V), exact) / 4;
@@ -771,7 +785,7 @@ TEMPLATE_TEST_CASE("Bit-identical across thread counts and calls; seeds", "[eva]
     else
       CHECK(bitwise_equal(one.output, reseeded));  // deterministic mode ignores the seed
   }
-  EvaOptions p;
+  PerformerOptions p;
   p.samples = 96;
   const PerformerAttention<Scalar> rfa(p);
   CHECK(bitwise_equal(with_threads(1, [&] { return rfa(w.Q, w.K, w.V); }),
@@ -831,7 +845,7 @@ TEMPLATE_TEST_CASE("Causal rows never depend on future keys, values or queries",
 TEMPLATE_TEST_CASE("Outputs are convex combinations of values, linear in V", "[eva][invariants]",
                    float, double) {
   using Scalar = TestType;
-  // Spec T7. Round-off bounds relative to max |V|: double 1e-12, float 1e-6 (convexity; the
+  // Round-off bounds relative to max |V|: double 1e-12, float 1e-6 (convexity; the
   // measured worst overshoot is printed with EFFATTN_TEST_VERBOSE); linearity 1e-12 / 1e-5.
   const double tol = is_float<Scalar>() ? 1e-6 : 1e-12;
   const auto w = workloads::make<Scalar>(workloads::Kind::Clustered,
@@ -897,7 +911,7 @@ TEMPLATE_TEST_CASE("Outputs are convex combinations of values, linear in V", "[e
 }
 
 TEST_CASE("Key translation leaves deterministic SumMeans EVA unchanged", "[eva][invariants]") {
-  // Spec T7: k -> k + t shifts every logit of a row by q~.t~ (local and chunk logits alike, the
+  // k -> k + t shifts every logit of a row by q~.t~ (local and chunk logits alike, the
   // representative being the mean) and leaves beta unchanged when mu contains k^ with weight 1:
   // w.(k+t) - |k+t|^2/2 = w.k - |k|^2/2 + (terms constant over the chunk). Not so for HalfSum.
   const auto w = workloads::make<double>(workloads::Kind::Positional, 300, 16, 4);
@@ -913,7 +927,7 @@ TEST_CASE("Key translation leaves deterministic SumMeans EVA unchanged", "[eva][
       const EvaAttentiond f(o);
       const double diff = max_abs_error(f(w.Q, w.K, w.V), f(w.Q, K2, w.V));
       INFO("causal=" << causal << " mass=" << static_cast<int>(mass) << " diff=" << diff);
-      CHECK(diff <= 1e-10);  // spec T7 tolerance; measured ~1e-15
+      CHECK(diff <= 1e-10);  // round-off tolerance; measured ~1e-15
       o.proposal = eva::Proposal::HalfSum;
       CHECK(max_abs_error(EvaAttentiond(o)(w.Q, w.K, w.V), EvaAttentiond(o)(w.Q, K2, w.V)) > 1e-4);
     }
@@ -923,7 +937,7 @@ TEST_CASE("Key translation leaves deterministic SumMeans EVA unchanged", "[eva][
 TEMPLATE_TEST_CASE("Identical keys with LogCount give exact softmax; Literal does not",
                    "[eva][invariants]", float, double) {
   using Scalar = TestType;
-  // Spec T10: every logit of a row is equal, so softmax is the plain mean of the visible values;
+  // Every logit of a row is equal, so softmax is the plain mean of the visible values;
   // the LogCount chunk logit |P_c| exp(q.k) is then the exact chunk mass.
   const Index n = 90, d = 6, dv = 4;
   const Matrix<Scalar> Q = randn<Scalar>(n, d, 1);
@@ -950,7 +964,7 @@ TEMPLATE_TEST_CASE("Identical keys with LogCount give exact softmax; Literal doe
 TEMPLATE_TEST_CASE("Huge logits stay finite and convex; overflow is reported", "[eva][numerics]",
                    float, double) {
   using Scalar = TestType;
-  // Spec T10: logits of magnitude ~1e3 (exp would overflow without max subtraction).
+  // Logits of magnitude ~1e3 (exp would overflow without max subtraction).
   const Index n = 64, d = 8, dv = 3;
   Matrix<Scalar> Q = randn<Scalar>(n, d, 1), K = randn<Scalar>(n, d, 2);
   const Matrix<Scalar> V = randn<Scalar>(n, dv, 3);
@@ -1083,7 +1097,7 @@ TEMPLATE_TEST_CASE("Bad inputs and options throw invalid_argument naming the arg
   const PerformerAttention<Scalar> g;
   for (int pass = 0; pass < 2; ++pass) {
     auto run = [&](const M& q, const M& k, const M& v) {
-      return pass == 0 ? f.compute(q, k, v) : g.compute(q, k, v);
+      return pass == 0 ? f.compute(q, k, v).output : g.compute(q, k, v).output;
     };
     const std::string who = pass == 0 ? "EvaAttention: " : "PerformerAttention: ";
     throws_with([&] { (void)run(M(0, 3), K, V); }, who + "Q must be n x d");
@@ -1145,9 +1159,15 @@ TEMPLATE_TEST_CASE("Bad inputs and options throw invalid_argument naming the arg
   o.key_map.weight = Eigen::MatrixXd::Ones(3, 3);
   o.key_map.weight(0, 0) = std::numeric_limits<double>::infinity();
   bad_opts(o, "Options::key_map must be finite");
-  o = {};
-  o.causal = true;
-  throws_with([&] { PerformerAttention<Scalar> x(o); }, "cannot honour causal");
+  // The Performer has no causal form: PerformerOptions has no `causal`, the trait says so.
+  STATIC_REQUIRE_FALSE(functor_traits<PerformerAttention<Scalar>>::supports_causal);
+  PerformerOptions po;
+  po.samples = -1;
+  throws_with([&] { PerformerAttention<Scalar> x(po); },
+              "PerformerAttention: Options::samples must be >= 0");
+  po = {};
+  po.scale = -2;
+  throws_with([&] { PerformerAttention<Scalar> x(po); }, "PerformerAttention: Options::scale");
   // Map sizes are checked against d at compute time.
   o = {};
   o.key_map.weight = Eigen::MatrixXd::Identity(4, 4);
@@ -1176,4 +1196,62 @@ TEMPLATE_TEST_CASE("EvaAttention conforms", "[eva][conformance]", float, double)
           return EvaAttention<TestType>(o).compute(Q, K, V);
         });
   }
+}
+
+TEMPLATE_TEST_CASE("EvaAttention and PerformerAttention model the functor concept",
+                   "[eva][concept]", float, double) {
+  using Scalar = TestType;
+  using Eva = EvaAttention<Scalar>;
+  using Rfa = PerformerAttention<Scalar>;
+  STATIC_REQUIRE(is_attention_functor_v<Eva>);
+  STATIC_REQUIRE(is_attention_functor_v<Rfa>);
+  STATIC_REQUIRE(std::is_same_v<Eva, EvaAttention<Scalar, policy::ControlVariates>>);
+  STATIC_REQUIRE(std::is_same_v<typename Eva::Options, EvaOptions>);
+  STATIC_REQUIRE(std::is_same_v<typename Eva::Result, EvaResult<Scalar>>);
+  STATIC_REQUIRE(std::is_same_v<typename Rfa::Options, PerformerOptions>);
+  STATIC_REQUIRE(std::is_same_v<typename Rfa::Result, PerformerResult<Scalar>>);
+  STATIC_REQUIRE(std::is_same_v<PerformerAttentionf, PerformerAttention<float>>);
+  STATIC_REQUIRE(std::is_same_v<PerformerAttentiond, PerformerAttention<double>>);
+  STATIC_REQUIRE(std::string_view(functor_traits<Eva>::name) == "EvaAttention");
+  STATIC_REQUIRE(functor_traits<Eva>::supports_causal);
+  STATIC_REQUIRE_FALSE(functor_traits<Eva>::causal_only);
+  STATIC_REQUIRE(functor_traits<Eva>::randomized);
+  STATIC_REQUIRE_FALSE(functor_traits<Eva>::self_attention_only);
+  STATIC_REQUIRE_FALSE(functor_traits<Eva>::exact);
+  STATIC_REQUIRE(std::string_view(functor_traits<Rfa>::name) == "PerformerAttention");
+  STATIC_REQUIRE_FALSE(functor_traits<Rfa>::supports_causal);
+  STATIC_REQUIRE_FALSE(functor_traits<Rfa>::causal_only);
+  STATIC_REQUIRE(functor_traits<Rfa>::randomized);
+  STATIC_REQUIRE_FALSE(functor_traits<Rfa>::self_attention_only);
+  STATIC_REQUIRE_FALSE(functor_traits<Rfa>::exact);
+}
+
+TEMPLATE_TEST_CASE("diagnostics() names are unique and values finite", "[eva][diagnostics]", float,
+                   double) {
+  using Scalar = TestType;
+  const auto w = workloads::make<Scalar>(workloads::Kind::Gaussian, 200, 16, 5);
+  auto check = [](const Diagnostics& dg, const std::vector<std::string>& names) {
+    std::set<std::string> seen;
+    REQUIRE(dg.size() == names.size());
+    for (std::size_t i = 0; i < dg.size(); ++i) {
+      INFO(dg[i].name);
+      CHECK(std::string(dg[i].name) == names[i]);
+      CHECK(seen.insert(dg[i].name).second);
+      CHECK(std::isfinite(dg[i].value));
+    }
+  };
+  EvaOptions o;
+  o.causal = true;
+  o.samples = 2;
+  const auto r = EvaAttention<Scalar>(o).compute(w.Q, w.K, w.V);
+  REQUIRE(r.info == Info::Success);
+  check(r.diagnostics(), {"window", "chunk_size", "num_chunks", "samples", "max_logits"});
+  CHECK(r.diagnostics()[0].value == static_cast<double>(r.window));
+  CHECK(r.diagnostics()[4].value == static_cast<double>(r.max_logits));
+  PerformerOptions p;
+  p.samples = 24;
+  const auto rp = PerformerAttention<Scalar>(p).compute(w.Q, w.K, w.V);
+  REQUIRE(rp.info == Info::Success);
+  check(rp.diagnostics(), {"features"});
+  CHECK(rp.diagnostics()[0].value == 24);
 }

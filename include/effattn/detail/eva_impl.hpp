@@ -1,6 +1,7 @@
 /// \file eva_impl.hpp
-/// \brief Internal: the plan, the chunk statistics and the per-block kernel of `EvaAttention`.
-/// Include `<effattn/eva.hpp>` instead; this header is not for users.
+/// \brief Internal: the plan, the chunk statistics and the per-block kernel of `EvaAttention`
+/// (shared with `PerformerAttention`), and the out-of-class definitions of both functors'
+/// members. Include `<effattn/eva.hpp>` instead; this header is not for users.
 ///
 /// Notation (see eva.hpp): s is the logit scale and every key and query is pre-scaled,
 /// k~ = sqrt(s) k, q~ = sqrt(s) q, so q~ . k~ = s q . k. K is the block ("window") size, L the
@@ -10,19 +11,24 @@
 /// Two chunk levels exist. Level 0 ("coarse") is the global chunking [cL, (c+1)L). Level 1
 /// ("fine") is used only when L > K (then L % K == 0): it holds one chunk per block, and stands in
 /// for the part of the query's own coarse chunk that lies outside its block, which keeps the
-/// partition disjoint (the spec fixes K % L == 0; the fine level is our extension so that a
-/// fixed chunk *count* -- the linear-cost regime -- still has the exactness limits).
+/// partition disjoint (the paper only treats K % L == 0; the fine level is our extension so that
+/// a fixed chunk *count* -- the linear-cost regime -- still has the exactness limits).
 #pragma once
-
-#ifndef EFFATTN_EVA_INTERNAL
-#error "effattn/detail/eva_impl.hpp is internal: include <effattn/eva.hpp>"
-#endif
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <utility>
 #include <vector>
+
+#include "../core/checks.hpp"
+#include "../core/errors.hpp"
+#include "../core/online_softmax.hpp"
+#include "../core/parallel.hpp"
+#include "../core/random.hpp"
+#include "../core/types.hpp"
+#include "../eva.hpp"
 
 namespace effattn {
 namespace detail {
@@ -109,8 +115,8 @@ struct EvaLevel {
 };
 
 /// A learned chunk-summary map y = LN(W x + b), evaluated in double (W empty: identity).
-template <typename Map>
-void apply_summary_map(const Map& map, const Eigen::VectorXd& x, Eigen::VectorXd& y) {
+inline void apply_summary_map(const eva::SummaryMap& map, const Eigen::VectorXd& x,
+                              Eigen::VectorXd& y) {
   if (map.weight.size() > 0) {
     y.noalias() = map.weight * x;
   } else {
@@ -138,10 +144,10 @@ struct EvaChunkWorkspace {
 };
 
 /// Everything the chunk stage needs besides the inputs.
-template <typename Scalar, typename Opts>
+template <typename Scalar>
 struct EvaChunkContext {
   const EvaPlan* plan;
-  const Opts* opts;
+  const EvaOptions* opts;
   const ConstRef<Scalar>* Q;
   const ConstRef<Scalar>* K;
   const ConstRef<Scalar>* V;
@@ -153,11 +159,11 @@ struct EvaChunkContext {
 
 /// Statistics of chunk `c` of `level` (keys [k0, k1)), written into column/rows c of `lv`.
 /// Random stream: 2c for level 0, 2c + 1 for level 1 (documented at EvaAttention).
-template <typename Scalar, typename Opts>
-void eva_chunk_stats(const EvaChunkContext<Scalar, Opts>& ctx, int level, Index c, Index k0,
-                     Index k1, EvaLevel<Scalar>& lv, EvaChunkWorkspace<Scalar>& ws) {
+template <typename Scalar>
+void eva_chunk_stats(const EvaChunkContext<Scalar>& ctx, int level, Index c, Index k0, Index k1,
+                     EvaLevel<Scalar>& lv, EvaChunkWorkspace<Scalar>& ws) {
   const EvaPlan& p = *ctx.plan;
-  const Opts& o = *ctx.opts;
+  const EvaOptions& o = *ctx.opts;
   const Index S = p.samples, len = k1 - k0;
   const double rs = std::sqrt(ctx.scale);
   // Means in the input coordinates, accumulated in double.
@@ -215,8 +221,8 @@ void eva_chunk_stats(const EvaChunkContext<Scalar, Opts>& ctx, int level, Index 
   const ConstRef<Scalar> W(ws.w);
   for (Index s0 = 0; s0 < S; s0 += ctx.bq) {
     const Index rows = std::min(ctx.bq, S - s0);
-    online_softmax_block<Scalar>(W, *ctx.Kt, *ctx.V, ctx.negnk->data(), Scalar(1), false, s0, rows, k0,
-                              k1, ctx.bk, ws.ex);
+    online_softmax_block<Scalar>(W, *ctx.Kt, *ctx.V, ctx.negnk->data(), Scalar(1), false, s0, rows,
+                                 k0, k1, ctx.bk, ws.ex);
     for (Index r = 0; r < rows; ++r) {
       const Index s = s0 + r, col = c * S + s;
       const double l = ws.ex.l(r);
@@ -447,5 +453,269 @@ void eva_block(const EvaPlan& p, const EvaTask& t, const ConstRef<Scalar>& Q,
   out.middleRows(t.row0, R).array() = acc.array().colwise() * ws.colw.head(R);
 }
 
+/// The plan of one problem: n queries over m keys (d, dv columns) with the options `o`.
+/// `one_chunk`: a single level-0 chunk holding every key (the Performer preset), whatever
+/// `o.chunk_size` says. `scalar_bytes` is sizeof(Scalar) (it sets the GEMM column split).
+inline EvaPlan eva_make_plan(const EvaOptions& o, bool one_chunk, Index n, Index m, Index d,
+                             Index dv, Index scalar_bytes) {
+  EvaPlan p;
+  p.n = n;
+  p.m = m;
+  p.d = d;
+  p.dv = dv;
+  p.off = m - n;
+  p.causal = o.causal;
+  p.overlap = o.partition == eva::Partition::Overlapping;
+  p.gauss = o.mass == eva::Mass::GaussianDiag;
+  p.random = o.samples > 0;
+  p.samples = std::max<Index>(1, o.samples);
+  p.cross_all = !p.causal && n != m;
+  const Index K = o.window;
+  p.window = K;
+  if (one_chunk) {
+    p.chunk = m;
+  } else if (o.chunk_size > 0) {
+    p.chunk = o.chunk_size;
+  } else {
+    // About 64 chunks (the paper's C = 64 for language; C = 49 for images), compatible with K.
+    const Index target = std::max<Index>(1, (m + 63) / 64);
+    if (K == 0)
+      p.chunk = target;
+    else if (target <= K)
+      p.chunk = smallest_divisor_at_least(K, target);
+    else
+      p.chunk = (target + K - 1) / K * K;
+  }
+  p.chunks = (m + p.chunk - 1) / p.chunk;
+  p.blocks = K > 0 ? (m + K - 1) / K : 0;
+  p.fine = !p.overlap && K > 0 && p.chunk > K;
+  p.tile = K > 0 ? std::min<Index>(K, 128) : 128;
+  // Eigen packs each GEMM operand on the stack up to EIGEN_STACK_ALLOCATION_LIMIT bytes and
+  // heap-allocates larger ones on every call: slice GEMMs so that no packed operand exceeds it.
+  const Index width = std::max({d, dv, p.tile});
+  p.gemm_cols = std::max<Index>(16, EIGEN_STACK_ALLOCATION_LIMIT / (width * scalar_bytes));
+  if (K == 0) {
+    for (Index i0 = 0; i0 < n; i0 += p.tile) p.tasks.push_back({-1, i0, std::min(p.tile, n - i0)});
+  } else {
+    for (Index b = 0; b < p.blocks; ++b) {
+      const Index r0 = b == 0 ? 0 : p.first_row_at(b * K);
+      const Index r1 = b + 1 < p.blocks ? p.first_row_at((b + 1) * K) : n;
+      for (Index i0 = r0; i0 < r1; i0 += p.tile)
+        p.tasks.push_back({b, i0, std::min(p.tile, r1 - i0)});
+    }
+  }
+  // Softmax widths: the workspace needs the widest task; the budget counts S per chunk. (The
+  // last row of a task sees the most: causal masks only hide entries from earlier rows.)
+  EvaSegment segs[6];
+  for (const EvaTask& t : p.tasks) {
+    const int ns = eva_task_segments(p, t, segs);
+    Index cols = 0, logits = 0;
+    for (int g = 0; g < ns; ++g) {
+      cols += segs[g].len;
+      logits += segs[g].level < 0 ? segs[g].len : segs[g].len * p.samples;
+    }
+    p.max_cols = std::max(p.max_cols, cols);
+    p.max_logits = std::max(p.max_logits, logits);
+  }
+  return p;
+}
+
+/// The whole computation for a plan: chunk statistics of both levels into `lv[0]`, `lv[1]`, then
+/// the query stage into `out` (resized to n x dv). `scale` is the resolved logit scale s.
+template <typename Scalar>
+void eva_run(const EvaPlan& plan, const EvaOptions& o, const ConstRef<Scalar>& Q,
+             const ConstRef<Scalar>& K, const ConstRef<Scalar>& V, double scale,
+             EvaLevel<Scalar>* lv, Matrix<Scalar>& out) {
+  const Index m = plan.m, d = plan.d, dv = plan.dv;
+  // Scaled keys, transposed (every key range is then a contiguous column block).
+  const auto rs = static_cast<Scalar>(std::sqrt(scale));
+  const Matrix<Scalar> Kt = (K * rs).transpose();
+  const Vector<Scalar> negnk = Kt.colwise().squaredNorm().transpose() * Scalar(-0.5);
+
+  // Chunk statistics: level 0 (C chunks) and, if used, level 1 (one chunk per block).
+  lv[0].resize(plan.chunks, plan.chunk, d, dv, plan.samples, plan.gauss);
+  if (plan.fine) lv[1].resize(plan.blocks, plan.window, d, dv, plan.samples, plan.gauss);
+  const Index longest = std::min(m, std::max(plan.chunk, plan.fine ? plan.window : Index(0)));
+  const TilePlan tiles =
+      plan_tiles(plan.samples, longest, d, dv, static_cast<Index>(sizeof(Scalar)), 0, 0);
+  const EvaChunkContext<Scalar> ctx{&plan, &o, &Q, &K, &V, &Kt, &negnk, scale, tiles.bq, tiles.bk};
+  const Index units = plan.chunks + (plan.fine ? plan.blocks : 0);
+  parallel_for(
+      units, [&] { return EvaChunkWorkspace<Scalar>(tiles.bq, tiles.bk, d, dv, plan.samples); },
+      [&](Index u, EvaChunkWorkspace<Scalar>& ws) {
+        const int level = u < plan.chunks ? 0 : 1;
+        const Index c = level == 0 ? u : u - plan.chunks;
+        const Index size = level == 0 ? plan.chunk : plan.window;
+        const Index k0 = c * size, k1 = std::min(m, k0 + size);
+        eva_chunk_stats(ctx, level, c, k0, k1, lv[level], ws);
+      });
+
+  // Query stage: independent tasks of at most plan.tile rows inside one block.
+  out.resize(plan.n, dv);
+  const Index tcols = plan.samples > 1 ? std::max(plan.samples, plan.gemm_cols) : 0;
+  parallel_for(
+      static_cast<Index>(plan.tasks.size()),
+      [&] { return EvaBlockWorkspace<Scalar>(plan.tile, d, dv, plan.max_cols, tcols, plan.gauss); },
+      [&](Index t, EvaBlockWorkspace<Scalar>& ws) {
+        eva_block<Scalar>(plan, plan.tasks[static_cast<std::size_t>(t)], Q, Kt, V, lv, rs, ws, out);
+      });
+}
+
+/// Validates the shape and values of a summary map (its size against d comes at compute time).
+inline void eva_check_map(const eva::SummaryMap& mp, const char* which, const char* method) {
+  const Index w = mp.weight.size() > 0 ? mp.weight.rows() : -1;
+  EFFATTN_CHECK(mp.weight.size() == 0 || mp.weight.rows() == mp.weight.cols(),
+                cat(method, ": Options::", which, ".weight must be d x d; got ", shape(mp.weight)));
+  for (const Eigen::VectorXd* v : {&mp.bias, &mp.ln_gamma, &mp.ln_beta})
+    EFFATTN_CHECK(v->size() == 0 || w < 0 || v->size() == w,
+                  cat(method, ": Options::", which, " vectors must have d = weight.rows() = ", w,
+                      " entries; got ", v->size()));
+  EFFATTN_CHECK(mp.weight.allFinite() && mp.bias.allFinite() && mp.ln_gamma.allFinite() &&
+                    mp.ln_beta.allFinite() && std::isfinite(mp.ln_eps) && mp.ln_eps > 0,
+                cat(method, ": Options::", which, " must be finite with ln_eps > 0"));
+}
+
+/// Validates the size of a summary map against the head dimension d = Q.cols().
+inline void eva_check_map_dim(const eva::SummaryMap& mp, const char* which, Index d,
+                              const char* method) {
+  EFFATTN_CHECK(mp.weight.size() == 0 || mp.weight.rows() == d,
+                cat(method, ": Options::", which, ".weight must be d x d with d = Q.cols() = ", d,
+                    "; got ", shape(mp.weight)));
+  for (const Eigen::VectorXd* v : {&mp.bias, &mp.ln_gamma, &mp.ln_beta})
+    EFFATTN_CHECK(v->size() == 0 || v->size() == d,
+                  cat(method, ": Options::", which, " vectors must have d = Q.cols() = ", d,
+                      " entries; got ", v->size()));
+}
+
+/// The EVA options that make the kernel compute RFA / Performer: no local block, mu = 0, chunk
+/// logit q~ . k^_c with no mass term, `samples` features (0 = 64) drawn from `seed`. (The single
+/// chunk holding every key comes from `eva_make_plan(..., one_chunk = true, ...)`.)
+inline EvaOptions performer_kernel_options(const PerformerOptions& p) {
+  EvaOptions e;
+  e.scale = p.scale;
+  e.causal = false;
+  e.window = 0;
+  e.chunk_size = 0;
+  e.samples = p.samples > 0 ? p.samples : 64;
+  e.seed = p.seed;
+  e.mass = eva::Mass::Literal;
+  e.proposal = eva::Proposal::Zero;
+  e.partition = eva::Partition::Disjoint;
+  return e;
+}
+
 }  // namespace detail
+
+// ---------------------------------------------------------------------------------------------
+// EvaAttention
+
+template <typename Scalar_, typename Policy>
+EvaAttention<Scalar_, Policy>::EvaAttention(Options opts) : m_opts(std::move(opts)) {
+  using detail::cat;
+  detail::check_scale_option(m_opts.scale, name);
+  EFFATTN_CHECK(
+      m_opts.window >= 0,
+      cat(name, ": Options::window must be >= 0 (0 = no exact keys); got ", m_opts.window));
+  EFFATTN_CHECK(
+      m_opts.chunk_size >= 0,
+      cat(name, ": Options::chunk_size must be >= 0 (0 = automatic); got ", m_opts.chunk_size));
+  EFFATTN_CHECK(
+      m_opts.samples >= 0,
+      cat(name, ": Options::samples must be >= 0 (0 = deterministic); got ", m_opts.samples));
+  using eva::Mass;
+  using eva::Partition;
+  using eva::Proposal;
+  EFFATTN_CHECK(
+      detail::is_one_of(m_opts.mass, {Mass::Literal, Mass::LogCount, Mass::GaussianDiag}) &&
+          detail::is_one_of(m_opts.proposal, {Proposal::SumMeans, Proposal::HalfSum,
+                                              Proposal::QueryMean, Proposal::Zero}) &&
+          detail::is_one_of(m_opts.partition, {Partition::Disjoint, Partition::Overlapping}),
+      cat(name, ": Options::mass, proposal or partition is not a valid enumerator"));
+  EFFATTN_CHECK(!m_opts.causal || m_opts.window >= 1,
+                cat(name,
+                    ": causal EVA needs window >= 1 (E_n must contain the query itself); got "
+                    "window = ",
+                    m_opts.window));
+  if (m_opts.partition == Partition::Disjoint && m_opts.window > 0 && m_opts.chunk_size > 0)
+    EFFATTN_CHECK(
+        m_opts.window % m_opts.chunk_size == 0 || m_opts.chunk_size % m_opts.window == 0,
+        cat(name, ": Options::chunk_size (", m_opts.chunk_size, ") must divide Options::window (",
+            m_opts.window, ") or be a multiple of it, so that the chunks and E_n stay disjoint"));
+  detail::eva_check_map(m_opts.key_map, "key_map", name);
+  detail::eva_check_map(m_opts.query_map, "query_map", name);
+}
+
+template <typename Scalar_, typename Policy>
+typename EvaAttention<Scalar_, Policy>::Result EvaAttention<Scalar_, Policy>::compute(
+    const Ref& Q, const Ref& K, const Ref& V) const {
+  using detail::cat;
+  detail::check_attention_inputs(Q, K, V, name);
+  const Index n = Q.rows(), m = K.rows(), d = Q.cols(), dv = V.cols();
+  EFFATTN_CHECK(!m_opts.causal || m >= n,
+                cat(name,
+                    ": causal attention needs m >= n (query i sits at key position i + m - n); "
+                    "got Q ",
+                    detail::shape(Q), ", K ", detail::shape(K)));
+  detail::eva_check_map_dim(m_opts.key_map, "key_map", d, name);
+  detail::eva_check_map_dim(m_opts.query_map, "query_map", d, name);
+  const double scale = detail::resolve_scale(m_opts.scale, d);
+  const detail::EvaPlan plan =
+      detail::eva_make_plan(m_opts, false, n, m, d, dv, static_cast<Index>(sizeof(Scalar)));
+  detail::EvaLevel<Scalar> lv[2];
+  Result r;
+  detail::eva_run<Scalar>(plan, m_opts, Q, K, V, scale, lv, r.output);
+  r.window = plan.window;
+  r.chunk_size = plan.chunk;
+  r.num_chunks = plan.chunks;
+  r.samples = plan.samples;
+  r.max_logits = plan.max_logits;
+  r.chunk_keys = lv[0].repT.transpose();
+  r.chunk_bias = lv[0].bias.transpose();
+  r.proposal_means = lv[0].mu.transpose();
+  r.omega = lv[0].omegaT.transpose();
+  r.chunk_lse = std::move(lv[0].lse);
+  r.chunk_values = std::move(lv[0].values);
+  r.info = detail::all_finite(r.output) ? Info::Success : Info::NumericalIssue;
+  return r;
+}
+
+template <typename Scalar_, typename Policy>
+Index EvaAttention<Scalar_, Policy>::max_logits(Index n, Index m) const {
+  EFFATTN_CHECK(n >= 1 && m >= 1 && (!m_opts.causal || m >= n),
+                detail::cat(name, ": max_logits needs n, m >= 1 (and m >= n if causal); got n = ",
+                            n, ", m = ", m));
+  return detail::eva_make_plan(m_opts, false, n, m, 1, 1, static_cast<Index>(sizeof(Scalar)))
+      .max_logits;
+}
+
+// ---------------------------------------------------------------------------------------------
+// PerformerAttention
+
+template <typename Scalar_>
+PerformerAttention<Scalar_>::PerformerAttention(Options opts) : m_opts(opts) {
+  detail::check_scale_option(m_opts.scale, name);
+  EFFATTN_CHECK(
+      m_opts.samples >= 0,
+      detail::cat(name, ": Options::samples must be >= 0 (the feature count, 0 = 64); got ",
+                  m_opts.samples));
+}
+
+template <typename Scalar_>
+typename PerformerAttention<Scalar_>::Result PerformerAttention<Scalar_>::compute(
+    const Ref& Q, const Ref& K, const Ref& V) const {
+  detail::check_attention_inputs(Q, K, V, name);
+  const Index n = Q.rows(), m = K.rows(), d = Q.cols(), dv = V.cols();
+  const EvaOptions o = detail::performer_kernel_options(m_opts);
+  const double scale = detail::resolve_scale(o.scale, d);
+  const detail::EvaPlan plan =
+      detail::eva_make_plan(o, true, n, m, d, dv, static_cast<Index>(sizeof(Scalar)));
+  detail::EvaLevel<Scalar> lv[2];
+  Result r;
+  detail::eva_run<Scalar>(plan, o, Q, K, V, scale, lv, r.output);
+  r.features = plan.samples;
+  r.omega = lv[0].omegaT.transpose();
+  r.info = detail::all_finite(r.output) ? Info::Success : Info::NumericalIssue;
+  return r;
+}
+
 }  // namespace effattn
