@@ -176,9 +176,9 @@ void register_all() {
   for (const Index n : sizes()) e->Arg(n);
   e->Unit(benchmark::kMillisecond)->UseRealTime()->Iterations(1);
   for (const Index k : {Index(4), Index(16), Index(64)})
-    register_family<conv_basis::Scan>("scan", k, true);
-  register_family<conv_basis::BinarySearch>("binary", 16, true);
-  register_family<conv_basis::Grid>("grid", 16, true);
+    register_family<policy::Scan>("scan", k, true);
+  register_family<policy::BinarySearch>("binary", 16, true);
+  register_family<policy::Grid>("grid", 16, true);
   auto* rc = benchmark::RegisterBenchmark("conv_basis/recover/scan/float/d64/k16",
                                           [](benchmark::State& s) { bm_recover(s, 16); });
   for (const Index n : sizes()) rc->Arg(n);

@@ -16,8 +16,8 @@
 #pragma once
 #include "common.hpp"
 
-#include <effattn/numerics/fft.hpp>
 #include <effattn/core/random.hpp>
+#include <effattn/numerics/fft.hpp>
 
 #include <map>
 #include <memory>

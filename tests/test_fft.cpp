@@ -4,8 +4,8 @@
 // the FFTW plan cache (statistics, concurrent planning and execution, wisdom round trip, unaligned
 // arrays) and argument validation. Tolerances: see the measured values quoted next to each one.
 #include <effattn/core/errors.hpp>
-#include <effattn/numerics/fft.hpp>
 #include <effattn/core/random.hpp>
+#include <effattn/numerics/fft.hpp>
 
 #include <algorithm>
 #include <atomic>
@@ -220,8 +220,8 @@ TEST_CASE("sums of sub-convolutions with offsets and ends match the oracle", "[c
 
 TEST_CASE("segment form: FFT size n + L_max - 1 and equality with the per-basis form",
           "[core][fft]") {
-  // Conv-Basis (spec 2.2): with starts s_r and weight columns c_r (length n - s_r), the segment
-  // form sum_r T(c_r) S_r V equals the per-basis form sum_r conv(bt_r, n - s_r) V with
+  // Conv-Basis (Gu et al., Lemma A.13): with starts s_r and weight columns c_r (length n - s_r),
+  // the segment form sum_r T(c_r) S_r V equals the per-basis form sum_r conv(bt_r, n - s_r) V with
   // bt_r = c_r - c_{r-1} (restricted to n - s_r entries) -- two different term sets, same matrix.
   using T = fft::ConvTerm<double>;
   const Index n = 512, cols = 3;
@@ -391,7 +391,10 @@ TEST_CASE("FFTW wisdom export/import round trip", "[core][fft]") {
   CHECK(wisdom.rfind("(fftw-3", 0) == 0);
   fft::Fftw::forget_wisdom<double>();
   fft::Fftw::clear_cache<double>();
-  CHECK_THROWS_AS(fft::causal_conv<fft::Fftw>(b, X, wisdom_only), std::runtime_error);
+  // Rigor::WisdomOnly without wisdom is an unsatisfiable option: effattn::invalid_argument (the
+  // library's exception for bad input), never a bare std::runtime_error.
+  require_invalid([&] { (void)fft::causal_conv<fft::Fftw>(b, X, wisdom_only); },
+                  "Rigor::WisdomOnly and no wisdom");
   REQUIRE(fft::Fftw::import_wisdom<double>(wisdom));
   const Matrix<double> y = fft::causal_conv<fft::Fftw>(b, X, wisdom_only);
   CHECK(et::rel_fro_error(y, oracle(full_term(b), X)) <= 1e-12);
@@ -407,7 +410,7 @@ TEST_CASE("FFTW wisdom export/import round trip", "[core][fft]") {
   REQUIRE(fft::Fftw::export_wisdom_to_file<float>(path));
   fft::Fftw::forget_wisdom<float>();
   fft::Fftw::clear_cache<float>();
-  CHECK_THROWS_AS(run_float(wisdom_only), std::runtime_error);
+  CHECK_THROWS_AS(run_float(wisdom_only), effattn::invalid_argument);
   CHECK(fft::Fftw::import_wisdom_from_file<float>(path));
   CHECK_NOTHROW(run_float(wisdom_only));
   std::remove(path.c_str());

@@ -3,28 +3,27 @@
 /// for Efficient Attention Inference and Gradient Computation in Transformers", arXiv
 /// 2405.05219v1): causal softmax attention whose masked logits are approximated by a sum of k
 /// sub-convolution (lower-triangular Toeplitz) matrices and evaluated with FFTs in
-/// O(k d n log n), never forming an n x n matrix. Spec: shared/specs/convbasis.md.
+/// O(k d n log n), never forming an n x n matrix. The building blocks (basis, oracles, recovery
+/// policies, evaluator) are in `conv_basis_recovery.hpp`; the definitions in
+/// `detail/conv_basis_impl.hpp`, included at the end.
 #pragma once
 
-#include <algorithm>
-#include <cmath>
-#include <limits>
-#include <type_traits>
 #include <utility>
 #include <vector>
 
+#include "conv_basis_recovery.hpp"
 #include "core/checks.hpp"
 #include "core/errors.hpp"
-#include "numerics/fft.hpp"
 #include "core/types.hpp"
-#include "conv_basis_recovery.hpp"
+#include "numerics/fft.hpp"
 
 namespace effattn {
 
-/// Options of `ConvBasisAttention`. Thresholds are in scaled-logit units (after `scale`).
+/// Options of `ConvBasisAttention`. Thresholds are in scaled-logit units (after `scale`). There
+/// is no `causal` field: the method is causal by construction (`causal_only`).
 struct ConvBasisOptions {
   /// Logit scale: the logit of (i, j) is scale * <q_i, k_j>. 0 means 1/sqrt(d); the paper's
-  /// sections 3-5 use 1 (spec 2.0).
+  /// sections 3-5 use 1.
   double scale = 0;
   /// k, the most bases to recover (clamped to n). Grid: exactly min(k, n) uniform starts.
   /// k = n with probe = 1 and threshold = 0 reproduces exact causal attention (Cor. 4.5).
@@ -40,14 +39,14 @@ struct ConvBasisOptions {
   /// Grid only: explicit basis starts (first 0, strictly increasing, < n); empty = uniform.
   std::vector<Index> grid_starts;
   /// Sliding-window causal mask: query i sees keys i - window < j <= i. 0 = no window.
-  /// Exact for the conv form (W o conv(b) = conv(b truncated), spec 2.5).
+  /// Exact for the conv form: the window mask times conv(b) is conv(b truncated to `window`
+  /// lags), so the columns are simply read to lag window - 1.
   Index window = 0;
   /// Block-diagonal causal mask: blocks of `block_size` tokens (the last may be shorter), each
   /// an independent causal sequence (LongLoRA-style groups). 0 = one block.
   Index block_size = 0;
-  /// Must stay true: conv-basis is causal by construction; false throws.
-  bool causal = true;
-  /// Dynamic-range guard (spec 7, P5): recompute rows whose FFT result may have lost accuracy.
+  /// Dynamic-range guard: recompute directly the rows whose FFT result may have lost accuracy
+  /// (tiny denominators; see conv_basis::evaluate).
   bool guard = true;
   /// Guard tolerance on the estimated error of a row, per column c relative to max |V_c|; 0 = 1e-9
   /// when the FFTs run in double, 1e-4 in float.
@@ -77,6 +76,17 @@ struct ConvBasisResult : AttentionResult<Scalar> {
   Index fft_size = 0;
   /// The threshold the recovery ended with (Scan raises tau to respect num_bases; last block).
   double threshold_used = 0;
+
+  /// bases_used, rows_recomputed (the guard's result), entries_evaluated, probes, fft_size,
+  /// threshold_used, in this order.
+  Diagnostics diagnostics() const {
+    return {{"bases_used", static_cast<double>(bases_used)},
+            {"rows_recomputed", static_cast<double>(rows_recomputed)},
+            {"entries_evaluated", static_cast<double>(entries_evaluated)},
+            {"probes", static_cast<double>(probes)},
+            {"fft_size", static_cast<double>(fft_size)},
+            {"threshold_used", threshold_used}};
+  }
 };
 
 /// \ingroup Methods
@@ -89,13 +99,13 @@ struct ConvBasisResult : AttentionResult<Scalar> {
 /// \f[ Y = D^{-1} \sum_r \mathrm{conv}(c_r)\, S_r V, \quad c_r = \exp(U_r - \mu),\;
 ///     D_i = \sum_r \sum_{j \in [s_r, s_{r+1}), j \le i} c_r[i - j], \f]
 /// with S_r selecting the rows [s_r, s_{r+1}) and mu = max U (cancels). Only relative-position
-/// (Toeplitz) structure is captured: per-query content variation is not (spec P4).
+/// (Toeplitz) structure is captured: per-query content variation is not.
 ///
 /// **Recovery** (`Recovery` policy, all producing a conv_basis::Basis of starts + cumulative
-/// logit columns, reading O(k n + n T) logits through a logit oracle, never the n x n matrix):
-/// `conv_basis::Scan` (default; linear scan with threshold tau, k from the data capped by
-/// num_bases), `conv_basis::BinarySearch` (the paper's Algorithms 2-3 with the spec's fixes),
-/// `conv_basis::Grid` (fixed starts).
+/// logit columns through conv_basis::recover, reading O(k n + n T) logits through a logit
+/// oracle, never the n x n matrix): `policy::Scan` (default; linear scan with threshold tau, k
+/// from the data capped by num_bases), `policy::BinarySearch` (the paper's Algorithms 2-3, with
+/// a forced first basis at column 0 and a tested last probe), `policy::Grid` (fixed starts).
 ///
 /// **Evaluation** (conv_basis::evaluate): segment form, one inverse FFT per value column after
 /// summing the k spectra, N = smooth size >= n + longest segment - 1; FFTs in `Real` (double
@@ -112,13 +122,13 @@ struct ConvBasisResult : AttentionResult<Scalar> {
 /// 0.11 at k = 16 and 9e-3 at k = 256. Use it where logits are close to relative-position
 /// structure; it is not a general-purpose approximation.
 ///
-/// **Masks**: causal (always), sliding window (`window`), block-diagonal causal (`block_size`);
-/// `compute(Q, K, V, mask)` accepts an explicit mask only if it is one of these. Self-attention
-/// only: K must have as many rows as Q.
+/// **Masks**: causal (always: `causal_only`), sliding window (`window`), block-diagonal causal
+/// (`block_size`); `compute(Q, K, V, mask)` accepts an explicit mask only if it is one of these.
+/// Self-attention only (`self_attention_only`): K must have as many rows as Q.
 ///
 /// \tparam Scalar_ float or double.
 /// \tparam FftBackend fft::Fftw or fft::EigenFft (default fft::Default).
-/// \tparam Recovery conv_basis::Scan (default), conv_basis::BinarySearch or conv_basis::Grid.
+/// \tparam Recovery policy::Scan (default), policy::BinarySearch or policy::Grid.
 /// \tparam Real FFT precision: double (default) or float (faster; guard tolerance 1e-4).
 ///
 /// \par Example
@@ -134,16 +144,14 @@ struct ConvBasisResult : AttentionResult<Scalar> {
 /// \par Threading
 /// `compute` is const and keeps no state. FFT columns, column reads and guarded rows run in
 /// parallel with shape-fixed decompositions: results are bit-identical for any thread count.
-template <typename Scalar_, typename FftBackend = fft::Default,
-          typename Recovery = conv_basis::Scan, typename Real = double>
+template <typename Scalar_, typename FftBackend = fft::Default, typename Recovery = policy::Scan,
+          typename Real = double>
 class ConvBasisAttention {
   static_assert(detail::is_supported_scalar_v<Scalar_>, "effattn: Scalar must be float or double");
   static_assert(detail::is_supported_scalar_v<Real>, "effattn: Real must be float or double");
-  static_assert(std::is_same<Recovery, conv_basis::Scan>::value ||
-                    std::is_same<Recovery, conv_basis::BinarySearch>::value ||
-                    std::is_same<Recovery, conv_basis::Grid>::value,
-                "effattn: ConvBasisAttention Recovery must be conv_basis::Scan, "
-                "conv_basis::BinarySearch or conv_basis::Grid");
+  static_assert(conv_basis::is_recovery_policy_v<Recovery>,
+                "effattn: ConvBasisAttention Recovery must be policy::Scan, "
+                "policy::BinarySearch or policy::Grid");
 
  public:
   using Scalar = Scalar_;
@@ -154,216 +162,57 @@ class ConvBasisAttention {
   /// An explicit n x n mask (true = the key is visible).
   using MaskRef = Eigen::Ref<const Eigen::Matrix<bool, Eigen::Dynamic, Eigen::Dynamic>>;
 
+  static constexpr const char* name = "ConvBasisAttention";  ///< for messages
+  static constexpr bool supports_causal = false;     ///< no `Options::causal`: always causal
+  static constexpr bool causal_only = true;          ///< causal by construction
+  static constexpr bool randomized = false;          ///< deterministic
+  static constexpr bool self_attention_only = true;  ///< K must have n = Q.rows() rows
+  static constexpr bool exact = false;  ///< approximate at default options (k = n, T = 1: exact)
+
   /// \throws effattn::invalid_argument on a bad scale, num_bases < 1, probe < 1, a negative or
-  ///         non-finite threshold / epsilon / guard_tolerance, window < 0, block_size < 0,
-  ///         or causal = false.
-  explicit ConvBasisAttention(Options opts = {}) : m_opts(std::move(opts)) {
-    using detail::cat;
-    detail::check_scale_option(m_opts.scale, kName);
-    EFFATTN_CHECK(m_opts.num_bases >= 1,
-                  cat(kName, ": Options::num_bases (k) must be >= 1; got ", m_opts.num_bases));
-    EFFATTN_CHECK(m_opts.probe >= 1,
-                  cat(kName, ": Options::probe (T) must be >= 1; got ", m_opts.probe));
-    EFFATTN_CHECK(
-        std::isfinite(m_opts.threshold) && m_opts.threshold >= 0,
-        cat(kName, ": Options::threshold must be finite and >= 0; got ", m_opts.threshold));
-    EFFATTN_CHECK(std::isfinite(m_opts.epsilon) && m_opts.epsilon >= 0,
-                  cat(kName, ": Options::epsilon must be finite and >= 0; got ", m_opts.epsilon));
-    EFFATTN_CHECK(std::isfinite(m_opts.guard_tolerance) && m_opts.guard_tolerance >= 0,
-                  cat(kName,
-                      ": Options::guard_tolerance must be finite and >= 0 (0 = default); "
-                      "got ",
-                      m_opts.guard_tolerance));
-    EFFATTN_CHECK(m_opts.window >= 0,
-                  cat(kName, ": Options::window must be >= 0 (0 = none); got ", m_opts.window));
-    EFFATTN_CHECK(m_opts.block_size >= 0, cat(kName,
-                                              ": Options::block_size must be >= 0 (0 = "
-                                              "one block); got ",
-                                              m_opts.block_size));
-    EFFATTN_CHECK(m_opts.causal,
-                  cat(kName,
-                      ": Options::causal = false is not supported: conv-basis attention "
-                      "is causal by construction (masks: causal, sliding window, "
-                      "block-diagonal causal)"));
-  }
+  ///         non-finite threshold / epsilon / guard_tolerance, window < 0 or block_size < 0.
+  explicit ConvBasisAttention(Options opts = {});
 
   /// Conv-basis attention of Q (n x d) over K (n x d), V (n x dv) with the options' mask.
   /// \throws effattn::invalid_argument on empty, mismatched (n != m) or non-finite inputs, or
   ///         invalid Grid starts.
-  [[nodiscard]] Result compute(const Ref& Q, const Ref& K, const Ref& V) const {
-    check_inputs(Q, K, V);
-    return run(Q, K, V, m_opts.window, m_opts.block_size);
-  }
+  [[nodiscard]] Result compute(const Ref& Q, const Ref& K, const Ref& V) const;
 
   /// As `compute(Q, K, V)` with an explicit n x n mask, which must be causal, sliding-window
   /// causal or block-diagonal causal (or block-diagonal with a window inside each block); the
   /// options' window and block_size must then be 0. O(n^2) to check the mask.
   /// \throws effattn::invalid_argument for any other mask (e.g. non-causal, random, padding).
-  [[nodiscard]] Result compute(const Ref& Q, const Ref& K, const Ref& V,
-                               const MaskRef& mask) const {
-    check_inputs(Q, K, V);
-    EFFATTN_CHECK(m_opts.window == 0 && m_opts.block_size == 0,
-                  detail::cat(kName,
-                              ": an explicit mask needs Options::window = 0 and "
-                              "Options::block_size = 0"));
-    const std::pair<Index, Index> wb = classify_mask(mask, Q.rows());
-    return run(Q, K, V, wb.first, wb.second);
-  }
+  [[nodiscard]] Result compute(const Ref& Q, const Ref& K, const Ref& V, const MaskRef& mask) const;
 
   /// Convenience: `compute(Q, K, V).output`.
   /// \throws effattn::numerical_error if the result is not finite.
   MatrixType operator()(const Ref& Q, const Ref& K, const Ref& V) const {
     Result r = compute(Q, K, V);
-    if (r.info != Info::Success) detail::throw_numerical_error(kName, r.info);
+    if (r.info != Info::Success) detail::throw_numerical_error(name, r.info);
     return std::move(r.output);
   }
 
   /// The basis the recovery finds for the causal logits of Q (n x d) and K (n x d) as ONE
   /// sequence (the window is honoured; block_size is not: blocks are separate sequences).
-  conv_basis::Basis recover(const Ref& Q, const Ref& K) const {
-    detail::check_attention_inputs(Q, K, K, kName);
-    EFFATTN_CHECK(K.rows() == Q.rows(), detail::cat(kName,
-                                                    ": self-attention only: K must be n x d "
-                                                    "with n = Q.rows() = ",
-                                                    Q.rows(), "; got K ", detail::shape(K)));
-    const MatrixType Qs = Q * static_cast<Scalar>(detail::resolve_scale(m_opts.scale, Q.cols()));
-    return Recovery::recover(conv_basis::QKOracle<Scalar>(Qs, K), params(m_opts.window));
-  }
+  /// \throws effattn::invalid_argument on empty, mismatched or non-finite inputs.
+  conv_basis::Basis recover(const Ref& Q, const Ref& K) const;
 
   /// Evaluates attention with the logits of `basis` on V (basis.n x dv), with the guard.
   /// \throws effattn::invalid_argument on a malformed basis or a V of the wrong shape.
-  [[nodiscard]] Result apply(const conv_basis::Basis& basis, const Ref& V) const {
-    check_basis(basis);
-    EFFATTN_CHECK(
-        V.rows() == basis.n && V.cols() >= 1,
-        detail::cat(kName, ": V must be n x dv with n = ", basis.n, "; got V ", detail::shape(V)));
-    detail::check_finite(V, "V");
-    Result r;
-    r.output.resize(basis.n, V.cols());
-    if (!add_block(basis, V, 0, r)) return r;
-    r.info = Info::Success;
-    return r;
-  }
+  [[nodiscard]] Result apply(const conv_basis::Basis& basis, const Ref& V) const;
 
   /// The options this functor was built with.
   const Options& options() const noexcept { return m_opts; }
 
  private:
-  static constexpr const char* kName = "ConvBasisAttention";
-
-  void check_inputs(const Ref& Q, const Ref& K, const Ref& V) const {
-    detail::check_attention_inputs(Q, K, V, kName);
-    EFFATTN_CHECK(K.rows() == Q.rows(),
-                  detail::cat(kName,
-                              ": self-attention only (n = m): K must be n x d with n = "
-                              "Q.rows() = ",
-                              Q.rows(), "; got Q ", detail::shape(Q), ", K ", detail::shape(K)));
-  }
-
-  conv_basis::RecoveryParams params(Index window) const {
-    conv_basis::RecoveryParams p;
-    p.num_bases = m_opts.num_bases;
-    p.probe = m_opts.probe;
-    p.threshold = m_opts.threshold;
-    p.epsilon = m_opts.epsilon;
-    p.max_lag = window;
-    p.grid_starts = m_opts.grid_starts;
-    return p;
-  }
-
-  void check_basis(const conv_basis::Basis& b) const {
-    using detail::cat;
-    EFFATTN_CHECK(
-        b.n >= 1 && !b.starts.empty() && b.starts.size() == b.columns.size() && b.starts[0] == 0,
-        cat(kName,
-            ": malformed basis (need n >= 1, starts[0] = 0 and one column per "
-            "start)"));
-    for (std::size_t r = 0; r < b.starts.size(); ++r) {
-      const Index s = b.starts[r], len = b.columns[r].size();
-      EFFATTN_CHECK((r == 0 || s > b.starts[r - 1]) && s < b.n && len >= 1 && len <= b.n - s,
-                    cat(kName, ": malformed basis at r = ", r, " (start ", s, ", column length ",
-                        len, ", n = ", b.n, ")"));
-    }
-  }
-
+  void check_inputs(const Ref& Q, const Ref& K, const Ref& V) const;
+  conv_basis::RecoveryParams params(Index window) const;
+  void check_basis(const conv_basis::Basis& b) const;
   // Evaluates one block's basis into rows [row0, row0 + n) of r.output; false on trouble.
-  bool add_block(const conv_basis::Basis& b, const Ref& V, Index row0, Result& r) const {
-    conv_basis::EvalParams ep;
-    ep.method = m_opts.conv_method;
-    ep.rigor = m_opts.rigor;
-    ep.guard = m_opts.guard;
-    ep.row_tol = m_opts.guard_tolerance > 0 ? m_opts.guard_tolerance
-                                            : (std::is_same<Real, double>::value ? 1e-9 : 1e-4);
-    auto ev = conv_basis::evaluate<FftBackend, Real, Scalar>(b, V, ep);
-    for (const Index s : b.starts) r.offsets.push_back(row0 + s);
-    r.bases_used += b.size();
-    r.probes += b.probes;
-    r.entries_evaluated += b.entries;
-    r.threshold_used = b.threshold_used;
-    if (!ev.finite) {
-      // Logits overflowed (e.g. |scale q.k| beyond the Scalar range): report it, and never leave
-      // stale or partial rows behind that could be mistaken for a result.
-      r.info = Info::NumericalIssue;
-      r.output.setConstant(std::numeric_limits<Scalar>::quiet_NaN());
-      return false;
-    }
-    r.output.middleRows(row0, b.n) = ev.output;
-    r.rows_recomputed += ev.rows_recomputed;
-    r.fft_size = std::max(r.fft_size, ev.fft_size);
-    return true;
-  }
-
-  Result run(const Ref& Q, const Ref& K, const Ref& V, Index window, Index block) const {
-    const Index n = Q.rows();
-    const MatrixType Qs = Q * static_cast<Scalar>(detail::resolve_scale(m_opts.scale, Q.cols()));
-    const conv_basis::RecoveryParams p = params(window);
-    const Index bs = block > 0 ? std::min(block, n) : n;
-    Result r;
-    r.output.resize(n, V.cols());
-    for (Index b0 = 0; b0 < n; b0 += bs) {
-      const Index len = std::min(bs, n - b0);
-      const MatrixType Qb = Qs.middleRows(b0, len);
-      const auto Kb = K.middleRows(b0, len);
-      const Ref Kr(Kb);
-      const conv_basis::Basis basis = Recovery::recover(conv_basis::QKOracle<Scalar>(Qb, Kr), p);
-      if (!add_block(basis, V.middleRows(b0, len), b0, r)) return r;
-    }
-    r.info = Info::Success;
-    return r;
-  }
-
+  bool add_block(const conv_basis::Basis& b, const Ref& V, Index row0, Result& r) const;
+  Result run(const Ref& Q, const Ref& K, const Ref& V, Index window, Index block) const;
   // (window, block_size) of a supported explicit mask; throws otherwise.
-  static std::pair<Index, Index> classify_mask(const MaskRef& M, Index n) {
-    using detail::cat;
-    EFFATTN_CHECK(M.rows() == n && M.cols() == n,
-                  cat(kName, ": mask must be n x n with n = ", n, "; got mask ", detail::shape(M)));
-    const char* what =
-        ": unsupported mask: only causal, sliding-window causal and block-diagonal causal masks "
-        "have a conv-basis form (spec 2.5)";
-    std::vector<Index> lo(static_cast<std::size_t>(n));
-    Index w = 1;
-    for (Index i = 0; i < n; ++i) {
-      Index l = i;
-      EFFATTN_CHECK(M(i, i), cat(kName, what, " (row ", i, " does not see its own key)"));
-      while (l > 0 && M(i, l - 1)) --l;
-      lo[static_cast<std::size_t>(i)] = l;
-      w = std::max(w, i - l + 1);
-    }
-    // Block starts: rows that see only themselves although the window would allow more.
-    Index block = 0;
-    if (w > 1) {
-      for (Index i = 1; i < n && block == 0; ++i)
-        if (lo[static_cast<std::size_t>(i)] == i) block = i;
-    }
-    const Index window = w >= n ? 0 : w;
-    for (Index i = 0; i < n; ++i) {
-      const Index b0 = block > 0 ? (i / block) * block : 0;
-      const Index l = window > 0 ? std::max(b0, i - window + 1) : b0;
-      for (Index j = 0; j < n; ++j)
-        EFFATTN_CHECK(M(i, j) == (j >= l && j <= i), cat(kName, what, " (entry ", i, ", ", j, ")"));
-    }
-    return {window, block};
-  }
+  static std::pair<Index, Index> classify_mask(const MaskRef& M, Index n);
 
   Options m_opts;
 };
@@ -373,3 +222,12 @@ using ConvBasisAttentionf = ConvBasisAttention<float>;
 using ConvBasisAttentiond = ConvBasisAttention<double>;
 
 }  // namespace effattn
+
+#include "detail/conv_basis_impl.hpp"
+
+#ifdef EFFATTN_COMPILED
+namespace effattn {
+extern template class ConvBasisAttention<float>;  // default backend and recovery only
+extern template class ConvBasisAttention<double>;
+}  // namespace effattn
+#endif

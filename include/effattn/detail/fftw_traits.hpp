@@ -24,7 +24,6 @@
 #include <memory>
 #include <mutex>
 #include <new>
-#include <stdexcept>
 #include <string>
 #include <tuple>
 
@@ -144,8 +143,13 @@ class FftwPlanCache {
     return *c;
   }
 
-  /// The plan for `key`, created on first use. Throws std::runtime_error when FFTW returns no plan
-  /// (e.g. FFTW_WISDOM_ONLY without matching wisdom).
+  /// The plan for `key`, created on first use.
+  /// \throws effattn::invalid_argument when FFTW returns no plan. FFTW's planners return NULL
+  /// only for a request they cannot satisfy: FFTW_WISDOM_ONLY (Rigor::WisdomOnly) without
+  /// matching wisdom, or transform parameters FFTW does not support. Both are a precondition of
+  /// the caller's options, not numerical trouble, and not a resource failure: FFTW does not
+  /// report memory exhaustion through a NULL plan (its allocator aborts), so std::bad_alloc would
+  /// be wrong. \throws std::bad_alloc if the planning arrays cannot be allocated.
   std::shared_ptr<const Plan> get(const FftwPlanKey& key) {
     std::lock_guard<std::mutex> lock(fftw_planner_mutex());
     auto it = m_plans.find(key);
@@ -176,9 +180,10 @@ class FftwPlanCache {
                                to_int(key.idist), re, to_int(key.ostride), to_int(key.odist),
                                flags);
     if (p == nullptr)
-      throw std::runtime_error(cat("effattn: FFTW could not plan a ", key.r2c ? "r2c" : "c2r",
-                                   " transform of size ", key.n, " x ", key.howmany,
-                                   (key.flags & FFTW_WISDOM_ONLY) ? " (no wisdom for it)" : ""));
+      throw_invalid_argument(
+          cat("fft::Fftw: FFTW could not plan a ", key.r2c ? "r2c" : "c2r", " transform of size ",
+              key.n, " x ", key.howmany,
+              (key.flags & FFTW_WISDOM_ONLY) ? " (Rigor::WisdomOnly and no wisdom for it)" : ""));
     std::shared_ptr<const Plan> plan = std::make_shared<const Plan>(p);
     ++fftw_counters<Real>().created;
     m_plans.emplace(key, plan);
