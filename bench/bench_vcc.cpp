@@ -81,7 +81,7 @@ void bm_vcc(benchmark::State& state, Index budget) {
   o.budget = budget;
   o.block_size = 16;
   o.fine_blocks = 90;
-  const VccAttention<float, Select, vcc::MeanProb, NonVip> f(o);
+  const VccAttention<float, Select, policy::MeanProb, NonVip> f(o);
   VccResult<float> r;
   track_memory(state, [&] { r = f.compute(w.Q, w.K, w.V, w.vip); });
   for (auto _ : state) {
@@ -142,12 +142,14 @@ void register_vcc(const std::string& name, Index budget, std::int64_t max_n) {
 
 int main(int argc, char** argv) {
   const std::int64_t max_n = 131072;
-  register_vcc<vcc::TwoLevel, vcc::VipOnly>("vcc/twolevel/viponly", 0, max_n);
-  register_vcc<vcc::TwoLevel, vcc::Decompress>("vcc/twolevel/decompress", 0, max_n);
-  register_vcc<vcc::TwoLevel, vcc::ExactQuery>("vcc/twolevel/exactquery", 0, 32768);
-  register_vcc<vcc::BestFirstDyadic, vcc::VipOnly>("vcc/bestfirst/viponly", 2048, max_n);
-  register_vcc<vcc::BestFirstDyadic, vcc::Decompress>("vcc/bestfirst/decompress", 2048, max_n);
-  register_vcc<vcc::BestFirstDyadic, vcc::ExactQuery>("vcc/bestfirst/exactquery", 2048, 65536);
+  register_vcc<policy::TwoLevel, policy::VipOnly>("vcc/twolevel/viponly", 0, max_n);
+  register_vcc<policy::TwoLevel, policy::Decompress>("vcc/twolevel/decompress", 0, max_n);
+  register_vcc<policy::TwoLevel, policy::ExactQuery>("vcc/twolevel/exactquery", 0, 32768);
+  register_vcc<policy::BestFirstDyadic, policy::VipOnly>("vcc/bestfirst/viponly", 2048, max_n);
+  register_vcc<policy::BestFirstDyadic, policy::Decompress>("vcc/bestfirst/decompress", 2048,
+                                                            max_n);
+  register_vcc<policy::BestFirstDyadic, policy::ExactQuery>("vcc/bestfirst/exactquery", 2048,
+                                                            65536);
   auto* e = benchmark::RegisterBenchmark("exact/tiled", bm_exact);
   for (std::int64_t n = 1024; n <= 32768; n *= 2) e->Arg(n);
   e->Unit(benchmark::kMillisecond)->UseRealTime()->Complexity(benchmark::oNSquared);
@@ -157,7 +159,7 @@ int main(int argc, char** argv) {
   // ctest smoke: one tiny configuration.
   benchmark::RegisterBenchmark(
       "vcc/smoke/twolevel/decompress",
-      [](benchmark::State& s) { bm_vcc<vcc::TwoLevel, vcc::Decompress>(s, 0); })
+      [](benchmark::State& s) { bm_vcc<policy::TwoLevel, policy::Decompress>(s, 0); })
       ->Arg(1024)
       ->Unit(benchmark::kMillisecond);
 

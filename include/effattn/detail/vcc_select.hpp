@@ -1,13 +1,16 @@
 /// \file vcc_select.hpp
-/// \brief Internal part of `<effattn/vcc.hpp>`: row runs around the VIP tokens, segment means,
-/// the VIP scores and the three selection policies (TwoLevel, BestFirstDyadic, Uniform), and
-/// `VccTree::select`. Include `<effattn/vcc.hpp>` instead.
+/// \brief Internal part of `<effattn/vcc_tree.hpp>` (and so of `<effattn/vcc.hpp>`): row runs
+/// around the VIP tokens, segment means, the VIP scores, the three selection policies (TwoLevel,
+/// BestFirstDyadic, Uniform), `detail::vcc_select` (the one selection that `VccAttention` and
+/// `VccTree::select` both call), the partition helpers of `effattn::vcc` and the members of
+/// `VccTree`.
 ///
 /// Determinism: every loop that runs in parallel has a decomposition fixed by the shapes (score
-/// tiles of kVccScoreTile candidates, one task per column for the segment sums); partial results
-/// are merged in a fixed order, and the logits are GEMVs (one per candidate), which Eigen never
-/// threads and which give equal candidates equal bits. Selection is therefore bit-identical for any
-/// thread count, and so are its ties (higher priority first, then the smaller begin).
+/// tiles of kVccScoreTile candidates, one task per column for the segment sums, row chunks of
+/// kVccRowChunk for the tree levels); partial results are merged in a fixed order, and the logits
+/// are GEMVs (one per candidate), which Eigen never threads and which give equal candidates equal
+/// bits. Selection is therefore bit-identical for any thread count, and so are its ties (higher
+/// priority first, then the smaller begin).
 #pragma once
 
 #include <algorithm>
@@ -15,12 +18,65 @@
 #include <limits>
 #include <numeric>
 #include <queue>
+#include <string>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
+#include "../core/checks.hpp"
+#include "../core/errors.hpp"
+#include "../core/parallel.hpp"
+#include "../core/types.hpp"
 #include "../vcc_tree.hpp"
 
 namespace effattn {
 namespace detail {
+
+/// Smallest L with 2^L >= n (0 for n <= 1).
+inline Index ceil_log2(Index n) {
+  Index L = 0;
+  while ((Index(1) << L) < n) ++L;
+  return L;
+}
+
+/// Rows covered by node (l, x) of the dyadic tree over n rows (`VccTree::node_count` without a
+/// tree).
+inline Index vcc_node_count(Index n, Index l, Index x) {
+  return std::min((x + 1) << l, n) - (x << l);
+}
+/// Whether node (l, x) of the tree over n rows has two children (`VccTree::has_two_children`).
+inline bool vcc_has_two_children(Index n, Index l, Index x) {
+  return l > 0 && ((2 * x + 1) << (l - 1)) < n;
+}
+
+/// parent = count-weighted mean of its children (a lone child copies up). Shared by build and
+/// update so both produce the same bits for the same inputs.
+template <typename Dst, typename A, typename B>
+void vcc_combine(Dst&& dst, const A& a, Index na, const B& b, Index nb) {
+  using Scalar = typename std::decay_t<Dst>::Scalar;
+  if (nb == 0) {
+    dst = a;
+  } else if (na == nb) {
+    dst = (a + b) * Scalar(0.5);
+  } else {
+    const Scalar wa = static_cast<Scalar>(static_cast<double>(na) / static_cast<double>(na + nb));
+    const Scalar wb = static_cast<Scalar>(static_cast<double>(nb) / static_cast<double>(na + nb));
+    dst = a * wa + b * wb;
+  }
+}
+
+/// Rows per task of the tree's parallel loops (a fixed decomposition: thread-count invariant).
+constexpr Index kVccRowChunk = 1024;
+
+/// body(r0, r1) over [0, rows) in chunks of kVccRowChunk rows: in parallel when there are several
+/// chunks, inline otherwise (small levels open no OpenMP region). Row-wise work only, so the
+/// result does not depend on the split.
+template <typename Body>
+void vcc_for_rows(Index rows, Body&& body) {
+  const Index chunks = (rows + kVccRowChunk - 1) / kVccRowChunk;
+  parallel_for_if(chunks > 1, chunks,
+                  [&](Index t) { body(t * kVccRowChunk, std::min(rows, (t + 1) * kVccRowChunk)); });
+}
 
 /// A maximal run of non-VIP rows: C rows [c0, c0 + len) are the original rows [o0, o0 + len).
 struct VccRun {
@@ -43,7 +99,7 @@ inline std::vector<VccRun> vcc_runs(Index n, const std::vector<Index>& vip) {
 }
 
 /// Calls f(original_row, length) for each piece of the C rows [b, b + cnt) (a segment may
-/// straddle VIP rows: spec pitfall 8). `ri` is a cursor into `runs` that only moves forward, so a
+/// straddle VIP rows). `ri` is a cursor into `runs` that only moves forward, so a
 /// pass over a sorted partition costs O(|J| + runs).
 template <typename F>
 void vcc_for_pieces(const std::vector<VccRun>& runs, std::size_t& ri, Index b, Index cnt, F&& f) {
@@ -324,16 +380,17 @@ inline std::vector<VccSegment> vcc_uniform(Index n_c, Index m) {
 /// the split, log sum_i (mass_i(a) + mass_i(b) - mass_i(node)) for the children a, b: it stops
 /// refining smooth stretches whose mean already carries their mass and so spreads the budget
 /// over every attended region (measured on make_smooth_vip, n = 4096: about 2x lower VIP error
-/// than the spec's priority at |J| = 128..2048; see tests/test_vcc.cpp). Costs 3 GEMVs per push.
+/// than the plain mass priority at |J| = 128..2048; see tests/test_vcc.cpp). Costs 3 GEMVs per
+/// push.
 template <typename Scalar>
 std::vector<VccSegment> vcc_best_first(const VccTree<Scalar>& T, const Matrix<Scalar>& QPs, Index m,
-                                       vcc::ScoreKind score, Index block_size, bool lookahead) {
+                                       bool mean_prob, Index block_size, bool lookahead) {
   using RowMatrix = typename VccTree<Scalar>::RowMatrix;
   const Index n_c = T.size(), d = T.dim(), np = QPs.rows();
   m = std::min(m, n_c);
   if (m >= n_c) return vcc_singletons(n_c);
   Eigen::Array<double, Eigen::Dynamic, 1> off;
-  if (score == vcc::ScoreKind::MeanProb) {
+  if (mean_prob) {
     Index lref = 0;
     while (lref < T.depth() && (Index(2) << lref) <= block_size) ++lref;
     const RowMatrix Mref = T.level_means_rows(lref);
@@ -415,12 +472,423 @@ inline Index vcc_auto_segments(Index n_c, Index k, Index h) {
   if (h > 0 && k - 1 > (n_c - nb) / h) return n_c;
   return std::min(n_c, nb + h * (k - 1));
 }
+/// The keys of a selection given as the rows of K (`VccAttention`): the n_c non-VIP rows, read
+/// through the runs around the VIP rows.
+template <typename Scalar>
+struct VccRowKeys {
+  const ConstRef<Scalar>& K;          ///< n x d, every row
+  const std::vector<VccRun>& runs;    ///< the runs of non-VIP rows
+  Index n_c;                          ///< number of non-VIP rows
+  Index rows() const { return n_c; }  ///< n_c
+  /// TwoLevel: the ceil(n_c / k) block means (direct sums in double) and their log counts.
+  Matrix<Scalar> block_means(Index k, std::vector<double>& logc) const {
+    const Index nb = (n_c + k - 1) / k;
+    std::vector<VccSegment> blocks(static_cast<std::size_t>(nb));
+    logc.assign(static_cast<std::size_t>(nb), 0.0);
+    for (Index b = 0; b < nb; ++b) {
+      const Index c = std::min(k, n_c - b * k);
+      blocks[static_cast<std::size_t>(b)] = VccSegment{b * k, c, -1};
+      logc[static_cast<std::size_t>(b)] = std::log(static_cast<double>(c));
+    }
+    Matrix<Scalar> Kb(nb, K.cols());
+    vcc_segment_means<Scalar>(K, runs, blocks, Kb, 0);
+    return Kb;
+  }
+  /// BestFirstDyadic: the tree of the non-VIP rows, built here (O(n_c d)).
+  VccTree<Scalar> tree() const {
+    VccTree<Scalar> t;
+    t.build_from_rows(vcc_gather_rows<Scalar>(K, runs, n_c));
+    return t;
+  }
+};
+
+/// The keys of a selection given as a built tree (`VccTree::select`).
+template <typename Scalar>
+struct VccTreeKeys {
+  const VccTree<Scalar>& T;                ///< the tree of the n_c rows
+  Index rows() const { return T.size(); }  ///< n_c
+  /// TwoLevel: the blocks are the nodes of level log2(k) (k must be a power of two), their means
+  /// the tree's node means.
+  typename VccTree<Scalar>::RowMatrix block_means(Index k, std::vector<double>& logc) const {
+    EFFATTN_CHECK(vcc_is_pow2(k), cat("VccTree::select: TwoLevel on the tree needs a power-of-two "
+                                      "block_size (blocks are tree nodes); got ",
+                                      k));
+    Index lk = 0;
+    while ((Index(1) << lk) < k && lk < T.depth()) ++lk;
+    typename VccTree<Scalar>::RowMatrix Mb = T.level_means_rows(lk);
+    logc.assign(static_cast<std::size_t>(Mb.rows()), 0.0);
+    for (Index x = 0; x < Mb.rows(); ++x)
+      logc[static_cast<std::size_t>(x)] = std::log(static_cast<double>(T.node_count(lk, x)));
+    return Mb;
+  }
+  /// BestFirstDyadic: the tree itself.
+  const VccTree<Scalar>& tree() const { return T; }
+};
+
+/// The numbers of one selection: `VccAttention` fills them from `VccOptions`, `VccTree::select`
+/// from `VccSelectOptions`.
+struct VccSelectRule {
+  const char* who = "";  ///< the caller, for messages
+  /// The requested number is VccAttention's r = n_p + |J| (`budget`), not |J| (messages only).
+  bool budget_form = false;
+  Index budget = 0;        ///< VccAttention's Options::budget (messages only)
+  bool fixed = false;      ///< |J| was requested; otherwise the two-level length
+  Index segments = 0;      ///< the requested |J| when `fixed` (may be < 1: infeasible), <= n_c
+  Index block_size = 16;   ///< k
+  Index fine_blocks = 90;  ///< h
+  bool lookahead = false;  ///< BestFirstDyadic gain priority
+  bool clamp = false;      ///< raise an infeasible |J| to the smallest feasible one
+};
+
+/// What the selection reports besides J.
+struct VccSelectReport {
+  Index fine_blocks = 0;          ///< TwoLevel: blocks expanded to single rows
+  bool uniform_fallback = false;  ///< no VIP queries: Uniform was used
+};
+
+/// The message of an infeasible |J| (m_min: the smallest feasible |J|).
+inline std::string vcc_infeasible_message(const VccSelectRule& rule, bool two_level, Index n_p,
+                                          Index n_c, Index m_min) {
+  if (rule.budget_form)
+    return cat(rule.who, ": Options::budget r = ", rule.budget,
+               " is infeasible: it must be >= n_p + ",
+               two_level ? "ceil(n_c / k) = " : "1 = ", n_p + m_min, " (n_p = ", n_p,
+               " VIP rows, n_c = ", n_c, two_level ? cat(", k = ", rule.block_size) : std::string(),
+               "); set clamp_budget to raise it automatically");
+  return cat(rule.who, ": segments = ", rule.segments, " is infeasible: ",
+             two_level ? "TwoLevel with queries needs segments >= ceil(n_c / k) = " : ">= ", m_min,
+             " (n_c = ", n_c, ", k = ", rule.block_size, ")");
+}
+
+/// The VCC selection, shared by `VccAttention` (keys `VccRowKeys`) and `VccTree::select` (keys
+/// `VccTreeKeys`): the partition J of the n_c key rows guided by the n_p scaled VIP queries QPs
+/// (rows tau q_i).
+///
+/// Rules, in order: |J| = m is the requested number or, when none is, the two-level length
+/// ceil(n_c / k) + h (k - 1) (saturated at n_c); m below the smallest feasible value
+/// (TwoLevel with queries: ceil(n_c / k); otherwise 1) throws, or is raised to it with `clamp`;
+/// m is capped at n_c. Uniform, or no query (n_p = 0, reported as `uniform_fallback`), gives
+/// the Uniform partition; m = n_c gives the singletons (TwoLevel reports every block fine);
+/// otherwise TwoLevel scores the k-blocks (log-count bias included, MeanProb normalised over the
+/// blocks) and expands the best, and BestFirstDyadic refines the tree of the keys.
+/// Only the arms of `Select` and `Score` are instantiated.
+template <typename Select, typename Score, typename Scalar, typename Keys>
+std::vector<VccSegment> vcc_select(const Keys& keys, const Matrix<Scalar>& QPs,
+                                   const VccSelectRule& rule, VccSelectReport& rep) {
+  constexpr bool two_level = std::is_same_v<Select, policy::TwoLevel>;
+  constexpr bool uniform = std::is_same_v<Select, policy::Uniform>;
+  constexpr bool mean_prob = std::is_same_v<Score, policy::MeanProb>;
+  static_assert(two_level || uniform || std::is_same_v<Select, policy::BestFirstDyadic>,
+                "effattn: the VCC selection is policy::TwoLevel, policy::BestFirstDyadic or "
+                "policy::Uniform");
+  static_assert(mean_prob || std::is_same_v<Score, policy::SumExp>,
+                "effattn: the VCC score is policy::MeanProb or policy::SumExp");
+  const Index n_p = QPs.rows(), n_c = keys.rows(), k = rule.block_size, nb = (n_c + k - 1) / k;
+  Index m = rule.fixed ? rule.segments : vcc_auto_segments(n_c, k, rule.fine_blocks);
+  const Index m_min = two_level && n_p > 0 ? nb : 1;
+  if (m < m_min) {
+    EFFATTN_CHECK(rule.clamp, vcc_infeasible_message(rule, two_level, n_p, n_c, m_min));
+    m = m_min;
+  }
+  m = std::min(m, n_c);
+  if constexpr (uniform) {
+    return vcc_uniform(n_c, m);
+  } else {
+    if (n_p == 0) {
+      rep.uniform_fallback = true;
+      return vcc_uniform(n_c, m);
+    }
+    if (m >= n_c) {
+      if constexpr (two_level) rep.fine_blocks = nb;
+      return vcc_singletons(n_c);
+    }
+    if constexpr (two_level) {
+      std::vector<double> logc;
+      const auto Kb = keys.block_means(k, logc);
+      // MeanProb: each VIP row's softmax over the blocks, averaged over the rows (official
+      // code). Deviation: the log-count bias is included in the logits, which changes nothing
+      // for equal blocks and weighs a ragged last block by its true size.
+      Eigen::Array<double, Eigen::Dynamic, 1> off;
+      if constexpr (mean_prob) off = vcc_row_lse(QPs, Kb, logc);
+      const std::vector<double> prio = vcc_priorities(QPs, Kb, logc, off);
+      return vcc_two_level(n_c, k, prio, rule.fixed ? m : 0, rule.fine_blocks, rep.fine_blocks);
+    } else {
+      const auto& T = keys.tree();
+      return vcc_best_first(T, QPs, m, mean_prob, k, rule.lookahead);
+    }
+  }
+}
+
+/// Walk from the root with a cached path: consecutive nodes reuse the common prefix.
+template <typename Scalar>
+struct VccPathWalker {
+  const VccTree<Scalar>& t;
+  typename VccTree<Scalar>::RowMatrix path;  ///< row k: mean of the node on level k of the path
+  std::vector<Index> px;                     ///< x of that node, -1 when invalid
+  explicit VccPathWalker(const VccTree<Scalar>& tree)
+      : t(tree),
+        path(tree.depth() + 1, tree.dim()),
+        px(static_cast<std::size_t>(tree.depth() + 1), -1) {
+    path.row(t.depth()) = t.root();
+    px[static_cast<std::size_t>(t.depth())] = 0;
+  }
+  /// Mean of node (l, x). path.row(k) is always the mean of node (k, px[k]), so the walk
+  /// restarts below the lowest level whose cached node is an ancestor of (l, x).
+  auto walk(Index l, Index x) {
+    Index k = l;
+    while (px[static_cast<std::size_t>(k)] != (x >> (k - l))) ++k;  // the root always matches
+    for (Index j = k - 1; j >= l; --j) {
+      const Index xj = x >> (j - l);
+      path.row(j) = path.row(j + 1) - t.deltas(j).row(xj);
+      px[static_cast<std::size_t>(j)] = xj;
+    }
+    return path.row(l);
+  }
+};
 
 }  // namespace detail
+
+namespace vcc {
+
+inline void check_partition(const std::vector<VccSegment>& J, Index n_c, const char* who) {
+  Index next = 0;
+  for (std::size_t j = 0; j < J.size(); ++j) {
+    EFFATTN_CHECK(
+        J[j].begin == next && J[j].count >= 1,
+        detail::cat(who,
+                    ": segments must be non-empty, sorted and contiguous, covering "
+                    "[0, n_c) with n_c = ",
+                    n_c, "; segment ", j, " is [", J[j].begin, ", ", J[j].begin + J[j].count,
+                    ") but ", next, " was expected to start it"));
+    next += J[j].count;
+  }
+  EFFATTN_CHECK(next == n_c, detail::cat(who, ": segments cover [0, ", next,
+                                         ") but must cover [0, n_c) with n_c = ", n_c));
+}
+
+template <typename Scalar>
+Matrix<Scalar> decompress(const std::vector<VccSegment>& J, const ConstRef<Scalar>& Y) {
+  EFFATTN_CHECK(static_cast<Index>(J.size()) == Y.rows(),
+                detail::cat("vcc::decompress: Y must be |J| x cols with |J| = ", J.size(),
+                            "; got Y ", detail::shape(Y)));
+  const Index n_c = J.empty() ? 0 : J.back().begin + J.back().count;
+  check_partition(J, n_c, "vcc::decompress");
+  Matrix<Scalar> out(n_c, Y.cols());
+  for (Index c = 0; c < Y.cols(); ++c)
+    for (std::size_t j = 0; j < J.size(); ++j)
+      out.col(c).segment(J[j].begin, J[j].count).setConstant(Y(static_cast<Index>(j), c));
+  return out;
+}
+
+inline std::vector<Index> nonvip_rows(Index n, const std::vector<Index>& vip) {
+  std::vector<Index> rows;
+  rows.reserve(static_cast<std::size_t>(std::max<Index>(0, n - static_cast<Index>(vip.size()))));
+  std::size_t p = 0;
+  for (Index t = 0; t < n; ++t) {
+    if (p < vip.size() && vip[p] == t) {
+      ++p;
+      continue;
+    }
+    rows.push_back(t);
+  }
+  return rows;
+}
+
+}  // namespace vcc
+
+// ---------------------------------------------------------------------------------------------
+// VccTree members
+
+template <typename Scalar_>
+void VccTree<Scalar_>::build(const Ref& C) {
+  EFFATTN_CHECK(
+      C.rows() > 0 && C.cols() > 0,
+      detail::cat("VccTree::build: C must be n_c x d with n_c, d >= 1; got C ", detail::shape(C)));
+  detail::check_finite(C, "C");
+  RowMatrix leaves = C;
+  build_from_rows(std::move(leaves));
+}
+
+template <typename Scalar_>
+void VccTree<Scalar_>::build_from_rows(RowMatrix&& leaves) {
+  m_n = leaves.rows();
+  m_d = leaves.cols();
+  m_depth = detail::ceil_log2(m_n);
+  m_delta.assign(static_cast<std::size_t>(m_depth), RowMatrix());
+  RowMatrix cur = std::move(leaves);
+  for (Index l = 0; l < m_depth; ++l) {
+    const Index np = num_nodes(l + 1), nc = num_nodes(l);
+    RowMatrix par(np, m_d);
+    // Parents from children, then children -> deltas in place. Row chunks are independent.
+    detail::vcc_for_rows(np, [&](Index p0, Index p1) {
+      for (Index p = p0; p < p1; ++p) {
+        const Index c1 = 2 * p + 1;
+        detail::vcc_combine(par.row(p), cur.row(2 * p), node_count(l, 2 * p),
+                            cur.row(std::min(c1, nc - 1)), c1 < nc ? node_count(l, c1) : 0);
+      }
+    });
+    detail::vcc_for_rows(nc, [&](Index x0, Index x1) {
+      for (Index x = x0; x < x1; ++x) cur.row(x) = par.row(x / 2) - cur.row(x);
+    });
+    m_delta[static_cast<std::size_t>(l)] = std::move(cur);
+    cur = std::move(par);
+  }
+  m_root = cur.row(0);
+}
+
+template <typename Scalar_>
+VccNode VccTree<Scalar_>::node_of(const VccSegment& s) const {
+  const Index l = detail::ceil_log2(s.count);
+  const bool ok = s.count >= 1 && s.begin >= 0 && l <= m_depth && (s.begin >> l << l) == s.begin &&
+                  s.begin < m_n && node_count(l, s.begin >> l) == s.count;
+  EFFATTN_CHECK(ok, detail::cat("VccTree: segment [", s.begin, ", ", s.begin + s.count,
+                                ") is not a node of the dyadic tree over n_c = ", m_n,
+                                " rows (a node (l, x) covers [x 2^l, min((x+1) 2^l, n_c)))"));
+  return VccNode{l, s.begin >> l};
+}
+
+template <typename Scalar_>
+VccSegment VccTree<Scalar_>::segment_of(Index l, Index x) const {
+  const Index c = node_count(l, x);
+  return VccSegment{x << l, c, detail::ceil_log2(c)};
+}
+
+template <typename Scalar_>
+RowVector<Scalar_> VccTree<Scalar_>::mean(Index l, Index x) const {
+  EFFATTN_CHECK(m_n > 0 && l >= 0 && l <= m_depth && x >= 0 && x < num_nodes(l),
+                detail::cat("VccTree::mean: node (", l, ", ", x, ") does not exist (depth ",
+                            m_depth, ", n_c = ", m_n, ")"));
+  RowVector<Scalar> c = m_root;
+  for (Index k = m_depth - 1; k >= l; --k) c -= deltas(k).row(x >> (k - l));
+  return c;
+}
+
+template <typename Scalar_>
+typename VccTree<Scalar_>::RowMatrix VccTree<Scalar_>::level_means_rows(Index l) const {
+  EFFATTN_CHECK(m_n > 0 && l >= 0 && l <= m_depth,
+                detail::cat("VccTree::level_means: level ", l, " not in [0, ", m_depth, "]"));
+  RowMatrix cur = m_root;
+  for (Index k = m_depth - 1; k >= l; --k) {
+    const RowMatrix& D = deltas(k);
+    RowMatrix nxt(D.rows(), m_d);
+    detail::vcc_for_rows(D.rows(), [&](Index x0, Index x1) {
+      for (Index x = x0; x < x1; ++x) nxt.row(x) = cur.row(x / 2) - D.row(x);
+    });
+    cur = std::move(nxt);
+  }
+  return cur;
+}
+
+template <typename Scalar_>
+typename VccTree<Scalar_>::MatrixType VccTree<Scalar_>::means(
+    const std::vector<VccSegment>& J) const {
+  vcc::check_partition(J, m_n, "VccTree::means");
+  MatrixType out(static_cast<Index>(J.size()), m_d);
+  detail::VccPathWalker<Scalar> w(*this);
+  for (std::size_t j = 0; j < J.size(); ++j) {
+    const VccNode v = node_of(J[j]);
+    out.row(static_cast<Index>(j)) = w.walk(v.level, v.index);
+  }
+  return out;
+}
+
+template <typename Scalar_>
+VccCompressed<Scalar_> VccTree<Scalar_>::compress(const std::vector<VccSegment>& J) const {
+  VccCompressed<Scalar> c;
+  c.means = means(J);
+  c.counts.reserve(J.size());
+  for (const auto& s : J) c.counts.push_back(s.count);
+  return c;
+}
+
+template <typename Scalar_>
+typename VccTree<Scalar_>::MatrixType VccTree<Scalar_>::decompress(const std::vector<VccSegment>& J,
+                                                                   const Ref& Y) const {
+  vcc::check_partition(J, m_n, "VccTree::decompress");
+  return vcc::decompress<Scalar>(J, Y);
+}
+
+template <typename Scalar_>
+typename VccTree<Scalar_>::MatrixType VccTree<Scalar_>::materialize() const {
+  EFFATTN_CHECK(m_n > 0, "VccTree::materialize: the tree is empty");
+  return level_means_rows(0);
+}
+
+template <typename Scalar_>
+VccUpdateStats VccTree<Scalar_>::update(const std::vector<VccSegment>& J, const Ref& Y) {
+  vcc::check_partition(J, m_n, "VccTree::update");
+  EFFATTN_CHECK(Y.rows() == static_cast<Index>(J.size()) && Y.cols() == m_d,
+                detail::cat("VccTree::update: Y must be |J| x d = ", J.size(), " x ", m_d,
+                            "; got Y ", detail::shape(Y)));
+  detail::check_finite(Y, "Y");
+  VccUpdateStats st;
+  // Nodes of J grouped by level, each list in increasing x (J is sorted by begin).
+  std::vector<std::vector<std::pair<Index, Index>>> at(static_cast<std::size_t>(m_depth + 1));
+  for (std::size_t j = 0; j < J.size(); ++j) {
+    const VccNode v = node_of(J[j]);
+    at[static_cast<std::size_t>(v.level)].emplace_back(v.index, static_cast<Index>(j));
+  }
+  // Dirty nodes of the current level: (x, row in `vals`), sorted by x.
+  std::vector<Index> dx, carried_x;
+  RowMatrix vals, carried;
+  for (Index l = 0; l <= m_depth; ++l) {
+    const auto& here = at[static_cast<std::size_t>(l)];
+    // Merge J nodes of this level with the parents carried up from the level below.
+    dx.clear();
+    vals.resize(static_cast<Index>(here.size() + carried_x.size()), m_d);
+    std::size_t a = 0, b = 0;
+    while (a < here.size() || b < carried_x.size()) {
+      const Index row = static_cast<Index>(dx.size());
+      if (b >= carried_x.size() || (a < here.size() && here[a].first < carried_x[b])) {
+        dx.push_back(here[a].first);
+        vals.row(row) = Y.row(here[a].second);
+        ++a;
+      } else {
+        EFFATTN_ASSERT(a >= here.size() || here[a].first != carried_x[b]);
+        dx.push_back(carried_x[b]);
+        vals.row(row) = carried.row(static_cast<Index>(b));
+        ++b;
+      }
+    }
+    if (l == m_depth) {
+      EFFATTN_ASSERT(dx.size() == 1 && dx[0] == 0);
+      m_root = vals.row(0);
+      st.touched.push_back(VccNode{l, 0});
+      break;
+    }
+    // New parents: both children of every parent are dirty (J is a partition).
+    carried_x.clear();
+    carried.resize(static_cast<Index>(dx.size()), m_d);
+    RowMatrix& D = m_delta[static_cast<std::size_t>(l)];
+    for (std::size_t i = 0; i < dx.size();) {
+      const Index p = dx[i] / 2;
+      const bool pair = i + 1 < dx.size() && dx[i + 1] / 2 == p;
+      EFFATTN_ASSERT(dx[i] == 2 * p && (pair || !has_two_children(l + 1, p)));
+      const Index row = static_cast<Index>(carried_x.size());
+      const Index vi = static_cast<Index>(i);
+      detail::vcc_combine(carried.row(row), vals.row(vi), node_count(l, 2 * p),
+                          vals.row(pair ? vi + 1 : vi), pair ? node_count(l, 2 * p + 1) : 0);
+      for (std::size_t c = i; c < i + (pair ? 2 : 1); ++c) {
+        D.row(dx[c]) = carried.row(row) - vals.row(static_cast<Index>(c));
+        st.touched.push_back(VccNode{l, dx[c]});
+      }
+      carried_x.push_back(p);
+      i += pair ? 2 : 1;
+    }
+    carried.conservativeResize(static_cast<Index>(carried_x.size()), m_d);
+  }
+  return st;
+}
 
 template <typename Scalar_>
 std::vector<VccSegment> VccTree<Scalar_>::select(const Ref& P, const VccSelectOptions& o) const {
   EFFATTN_CHECK(m_n > 0, "VccTree::select: the tree is empty");
+  EFFATTN_CHECK(
+      detail::is_one_of(o.select, {vcc::SelectKind::TwoLevel, vcc::SelectKind::BestFirstDyadic,
+                                   vcc::SelectKind::Uniform}),
+      "VccTree::select: select must be a vcc::SelectKind");
+  EFFATTN_CHECK(detail::is_one_of(o.score, {vcc::ScoreKind::MeanProb, vcc::ScoreKind::SumExp}),
+                "VccTree::select: score must be a vcc::ScoreKind");
   detail::vcc_check_select_options(o.block_size, o.fine_blocks, "VccTree::select");
   detail::check_scale_option(o.scale, "VccTree::select");
   EFFATTN_CHECK(o.segments >= 0,
@@ -429,33 +897,31 @@ std::vector<VccSegment> VccTree<Scalar_>::select(const Ref& P, const VccSelectOp
                 detail::cat("VccTree::select: P must be n_p x d with d = ", m_d, "; got P ",
                             detail::shape(P)));
   detail::check_finite(P, "P");
-  const Index k = o.block_size, nb = (m_n + k - 1) / k;
-  const Index m =
-      o.segments > 0 ? std::min(o.segments, m_n) : detail::vcc_auto_segments(m_n, k, o.fine_blocks);
-  if (P.rows() == 0 || o.select == vcc::SelectKind::Uniform) return detail::vcc_uniform(m_n, m);
-  if (m >= m_n) return detail::vcc_singletons(m_n);
+  detail::VccSelectRule rule;
+  rule.who = "VccTree::select";
+  rule.fixed = o.segments > 0;
+  rule.segments = std::min(o.segments, m_n);
+  rule.block_size = o.block_size;
+  rule.fine_blocks = o.fine_blocks;
+  rule.lookahead = o.lookahead;
   const Matrix<Scalar> QPs = P * static_cast<Scalar>(detail::resolve_scale(o.scale, m_d));
-  if (o.select == vcc::SelectKind::BestFirstDyadic)
-    return detail::vcc_best_first(*this, QPs, m, o.score, k, o.lookahead);
-  EFFATTN_CHECK(detail::vcc_is_pow2(k),
-                detail::cat("VccTree::select: TwoLevel on the tree needs a power-of-two "
-                            "block_size (blocks are tree nodes); got ",
-                            k));
-  EFFATTN_CHECK(
-      o.segments == 0 || m >= nb,
-      detail::cat("VccTree::select: TwoLevel needs segments >= ceil(n_c / k) = ", nb, "; got ", m));
-  Index lk = 0;
-  while ((Index(1) << lk) < k && lk < m_depth) ++lk;
-  const RowMatrix Mb = level_means_rows(lk);
-  std::vector<double> logc(static_cast<std::size_t>(Mb.rows()));
-  for (Index x = 0; x < Mb.rows(); ++x)
-    logc[static_cast<std::size_t>(x)] = std::log(static_cast<double>(node_count(lk, x)));
-  const Eigen::Array<double, Eigen::Dynamic, 1> off =
-      o.score == vcc::ScoreKind::MeanProb ? detail::vcc_row_lse(QPs, Mb, logc)
-                                          : Eigen::Array<double, Eigen::Dynamic, 1>();
-  const std::vector<double> prio = detail::vcc_priorities(QPs, Mb, logc, off);
-  Index h = 0;
-  return detail::vcc_two_level(m_n, Index(1) << lk, prio, o.segments > 0 ? m : 0, o.fine_blocks, h);
+  const detail::VccTreeKeys<Scalar> keys{*this};
+  detail::VccSelectReport rep;
+  const bool mean_prob = o.score == vcc::ScoreKind::MeanProb;
+  switch (o.select) {
+    case vcc::SelectKind::TwoLevel:
+      return mean_prob
+                 ? detail::vcc_select<policy::TwoLevel, policy::MeanProb>(keys, QPs, rule, rep)
+                 : detail::vcc_select<policy::TwoLevel, policy::SumExp>(keys, QPs, rule, rep);
+    case vcc::SelectKind::BestFirstDyadic:
+      return mean_prob ? detail::vcc_select<policy::BestFirstDyadic, policy::MeanProb>(keys, QPs,
+                                                                                       rule, rep)
+                       : detail::vcc_select<policy::BestFirstDyadic, policy::SumExp>(keys, QPs,
+                                                                                     rule, rep);
+    case vcc::SelectKind::Uniform:
+      return detail::vcc_select<policy::Uniform, policy::MeanProb>(keys, QPs, rule, rep);
+  }
+  return {};  // unreachable: the kinds are validated above
 }
 
 }  // namespace effattn
