@@ -1,9 +1,10 @@
 // Benchmarks of KEP-SVGP (effattn/kep_svgp.hpp), float, d = dv = 64, workloads::clustered,
 // against Tiled exact attention and an SGPA-style O(n^3) posterior in the same binary.
 //
-// Names: kep_svgp/randomized/s<s>/<n>   softmax kernel, Randomized KSVD (n = 512 .. 16384)
-//        kep_svgp/dense/s<s>/<n>        softmax kernel, Dense (BDCSVD) KSVD (n <= 2048)
-//        kep_svgp/factorized/s<s>/<n>   cosine kernel (the paper's), Factorized KSVD (n <= 65536)
+// Names: kep_svgp/randomized/s<s>/<n>   softmax kernel, policy::RandomizedSvd (n = 512 .. 16384)
+//        kep_svgp/dense/s<s>/<n>        softmax kernel, policy::DenseSvd (BDCSVD; n <= 2048)
+//        kep_svgp/factorized/s<s>/<n>   cosine kernel (the paper's), policy::FactorizedSvd
+//                                       (n <= 65536)
 //        sgpa/marginal/<n>              SGPA-style posterior, keys as inducing points: Cholesky of
 //                                       the m x m key kernel, mean and per-token variance (n<=4096)
 //        sgpa/joint/<n>                 the same plus the n x n posterior covariance and its
@@ -29,7 +30,6 @@
 #include <effattn/kep_svgp.hpp>
 
 using namespace effattn;
-namespace ks = effattn::kepsvgp;
 
 namespace {
 
@@ -90,7 +90,7 @@ void bm_kep(benchmark::State& state) {
   if (r.info != Info::Success) state.SkipWithError("compute did not succeed");
   state.SetComplexityN(n);
   state.counters["GFLOP/s"] = bench::attention_gflops(n, n, kD, kD);
-  if (std::is_same<Kernel, ks::CosineKernel>::value) {
+  if constexpr (std::is_same_v<Kernel, policy::CosineKernel>) {
     const Index rows = std::min(kRows, n);
     auto nrm = [](const Matrix<float>& X) {
       const Matrix<double> Xd = X.cast<double>();
@@ -183,9 +183,9 @@ void register_kep(const std::string& name, std::int64_t max_n) {
 
 int main(int argc, char** argv) {
   bench::set_threads(0);
-  register_kep<ks::SoftmaxRowKernel, ks::Randomized>("kep_svgp/randomized", 16384);
-  register_kep<ks::SoftmaxRowKernel, ks::Dense>("kep_svgp/dense", 2048);
-  register_kep<ks::CosineKernel, ks::Factorized>("kep_svgp/factorized", 65536);
+  register_kep<policy::SoftmaxRowKernel, policy::RandomizedSvd>("kep_svgp/randomized", 16384);
+  register_kep<policy::SoftmaxRowKernel, policy::DenseSvd>("kep_svgp/dense", 2048);
+  register_kep<policy::CosineKernel, policy::FactorizedSvd>("kep_svgp/factorized", 65536);
   auto* sm = benchmark::RegisterBenchmark("sgpa/marginal",
                                           [](benchmark::State& st) { bm_sgpa(st, false); });
   auto* sj =
@@ -201,7 +201,7 @@ int main(int argc, char** argv) {
   e->Unit(benchmark::kMillisecond)->UseRealTime()->Complexity(benchmark::oNSquared);
   // ctest smoke: one tiny configuration.
   benchmark::RegisterBenchmark("kep_svgp/smoke/randomized",
-                               bm_kep<ks::SoftmaxRowKernel, ks::Randomized>)
+                               bm_kep<policy::SoftmaxRowKernel, policy::RandomizedSvd>)
       ->Args({256, 8})
       ->Unit(benchmark::kMillisecond);
 

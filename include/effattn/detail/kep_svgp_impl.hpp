@@ -1,54 +1,49 @@
 /// \file kep_svgp_impl.hpp
-/// \brief Internals of effattn/kep_svgp.hpp: kernel evaluation in row blocks and the three
-/// truncated-KSVD engines (dense oracle, randomized range finder, factorised QR-QR-SVD).
+/// \brief Implementation of effattn/kep_svgp.hpp: kernel evaluation in row blocks, the three
+/// truncated-KSVD engines (dense oracle, randomized range finder, factorised QR-QR-SVD), the
+/// posterior assembly and sampling of KepSvgpAttention, and the trainer utilities.
 #pragma once
 
-#ifndef EFFATTN_KEP_SVGP_INTERNAL
-#error "effattn/detail/kep_svgp_impl.hpp is internal: include <effattn/kep_svgp.hpp>"
-#endif
+#include "../kep_svgp.hpp"
 
 #include <Eigen/QR>
 #include <Eigen/SVD>
 #include <algorithm>
 #include <cmath>
-#include <limits>
+#include <cstdint>
+#include <type_traits>
+#include <utility>
 #include <vector>
+
+#include "../core/checks.hpp"
+#include "../core/errors.hpp"
+#include "../core/parallel.hpp"
+#include "../core/random.hpp"
+#include "../core/softmax.hpp"
+#include "../core/types.hpp"
 
 namespace effattn {
 namespace detail {
 
-/// Everything needed to evaluate kernel rows: pre-scaled keys (dense kernels) or the explicit
-/// features A (n x p), B (m x p) with K = A B^T (feature kernels).
-template <typename Scalar>
+/// Everything needed to evaluate kernel rows: pre-scaled keys (dense kernels, Features = false)
+/// or the explicit features A (n x p), B (m x p) with K = A B^T (Features = true).
+template <typename Scalar, bool Features>
 struct KepKernelCtx {
   const ConstRef<Scalar>* Q = nullptr;
   Matrix<Scalar> Kt;    // d x m, scale * K^T (dense kernels)
   Matrix<Scalar> A, B;  // explicit features (feature kernels)
   Scalar shift = 0;     // ExpKernel: global max logit subtracted before exp
   Index n = 0, m = 0;
-  Index block = 128;  // rows per kernel block
-  bool features = false;
+  Index block = 128;     // rows per kernel block
   bool softmax = false;  // row-normalise (SoftmaxRowKernel)
   Index num_blocks() const { return (n + block - 1) / block; }
 };
 
-/// Runs `f` inside a one-task effattn parallel region. Eigen's GEMM is serial there, so the
-/// products in `f` do not depend on the thread count (Eigen's own parallel GEMM picks its
-/// blocking from the thread count, which changes the rounding).
-template <typename F>
-void kep_serial(F&& f) {
-  parallel_for(
-      1, [] { return 0; }, [&](Index, int&) { f(); });
-}
-
-/// Rows [r0, r0 + rows) of the kernel into `out` (rows x m).
+/// Rows [r0, r0 + rows) of a dense kernel into `out` (rows x m).
 template <typename Scalar>
-void kep_kernel_block(const KepKernelCtx<Scalar>& c, Index r0, Index rows, Matrix<Scalar>& out) {
+void kep_kernel_block(const KepKernelCtx<Scalar, false>& c, Index r0, Index rows,
+                      Matrix<Scalar>& out) {
   out.resize(rows, c.m);
-  if (c.features) {
-    out.noalias() = c.A.middleRows(r0, rows) * c.B.transpose();
-    return;
-  }
   out.noalias() = c.Q->middleRows(r0, rows) * c.Kt;
   if (c.softmax)
     row_softmax_inplace(out);
@@ -68,12 +63,12 @@ void kep_row_sqnorms(const Matrix<Scalar>& Kb, Eigen::Ref<Eigen::VectorXd> acc) 
 constexpr Index kKepGroups = 8;
 
 /// Y = K X (n x c), streamed; optionally the squared row norms of K (double).
-template <typename Scalar>
-Matrix<Scalar> kep_apply(const KepKernelCtx<Scalar>& c, const Matrix<Scalar>& X,
+template <typename Scalar, bool Features>
+Matrix<Scalar> kep_apply(const KepKernelCtx<Scalar, Features>& c, const Matrix<Scalar>& X,
                          Eigen::VectorXd* row_sq = nullptr) {
   Matrix<Scalar> Y(c.n, X.cols());
-  if (c.features) {
-    kep_serial([&] {
+  if constexpr (Features) {
+    run_serial([&] {
       Y.noalias() = c.A * (c.B.transpose() * X);
       if (row_sq) {
         const Matrix<double> G = (c.B.transpose() * c.B).template cast<double>();
@@ -81,28 +76,28 @@ Matrix<Scalar> kep_apply(const KepKernelCtx<Scalar>& c, const Matrix<Scalar>& X,
         *row_sq = (Ad * G).cwiseProduct(Ad).rowwise().sum();
       }
     });
-    return Y;
+  } else {
+    if (row_sq) row_sq->setZero(c.n);
+    parallel_for(
+        c.num_blocks(), [] { return Matrix<Scalar>(); },
+        [&](Index b, Matrix<Scalar>& Kb) {
+          const Index r0 = b * c.block, rows = std::min(c.block, c.n - r0);
+          kep_kernel_block(c, r0, rows, Kb);
+          Y.middleRows(r0, rows).noalias() = Kb * X;
+          if (row_sq) kep_row_sqnorms(Kb, row_sq->segment(r0, rows));
+        });
   }
-  if (row_sq) row_sq->setZero(c.n);
-  parallel_for(
-      c.num_blocks(), [] { return Matrix<Scalar>(); },
-      [&](Index b, Matrix<Scalar>& Kb) {
-        const Index r0 = b * c.block, rows = std::min(c.block, c.n - r0);
-        kep_kernel_block(c, r0, rows, Kb);
-        Y.middleRows(r0, rows).noalias() = Kb * X;
-        if (row_sq) kep_row_sqnorms(Kb, row_sq->segment(r0, rows));
-      });
   return Y;
 }
 
 /// Z = K^T X (m x c) for X (n x c), streamed with fixed groups; optionally the squared column
 /// norms of K (double).
-template <typename Scalar>
-Matrix<Scalar> kep_apply_transpose(const KepKernelCtx<Scalar>& c, const Matrix<Scalar>& X,
+template <typename Scalar, bool Features>
+Matrix<Scalar> kep_apply_transpose(const KepKernelCtx<Scalar, Features>& c, const Matrix<Scalar>& X,
                                    Eigen::VectorXd* col_sq = nullptr) {
-  if (c.features) {
+  if constexpr (Features) {
     Matrix<Scalar> Z;
-    kep_serial([&] {
+    run_serial([&] {
       Z = c.B * (c.A.transpose() * X);
       if (col_sq) {
         const Matrix<double> G = (c.A.transpose() * c.A).template cast<double>();
@@ -111,78 +106,83 @@ Matrix<Scalar> kep_apply_transpose(const KepKernelCtx<Scalar>& c, const Matrix<S
       }
     });
     return Z;
+  } else {
+    const Index nb = c.num_blocks(), groups = std::min(kKepGroups, nb);
+    std::vector<Matrix<Scalar>> part(static_cast<std::size_t>(groups));
+    std::vector<Eigen::VectorXd> csq(static_cast<std::size_t>(groups));
+    parallel_for(
+        groups, [] { return Matrix<Scalar>(); },
+        [&](Index g, Matrix<Scalar>& Kb) {
+          Matrix<Scalar>& Zg = part[static_cast<std::size_t>(g)];
+          Zg.setZero(c.m, X.cols());
+          if (col_sq) csq[static_cast<std::size_t>(g)].setZero(c.m);
+          for (Index b = g * nb / groups; b < (g + 1) * nb / groups; ++b) {
+            const Index r0 = b * c.block, rows = std::min(c.block, c.n - r0);
+            kep_kernel_block(c, r0, rows, Kb);
+            Zg.noalias() += Kb.transpose() * X.middleRows(r0, rows);
+            if (col_sq)
+              csq[static_cast<std::size_t>(g)] +=
+                  Kb.template cast<double>().colwise().squaredNorm().transpose();
+          }
+        });
+    Matrix<Scalar> Z = std::move(part[0]);
+    for (std::size_t g = 1; g < part.size(); ++g) Z += part[g];
+    if (col_sq) {
+      *col_sq = csq[0];
+      for (std::size_t g = 1; g < csq.size(); ++g) *col_sq += csq[g];
+    }
+    return Z;
   }
-  const Index nb = c.num_blocks(), groups = std::min(kKepGroups, nb);
-  std::vector<Matrix<Scalar>> part(static_cast<std::size_t>(groups));
-  std::vector<Eigen::VectorXd> csq(static_cast<std::size_t>(groups));
-  parallel_for(
-      groups, [] { return Matrix<Scalar>(); },
-      [&](Index g, Matrix<Scalar>& Kb) {
-        Matrix<Scalar>& Zg = part[static_cast<std::size_t>(g)];
-        Zg.setZero(c.m, X.cols());
-        if (col_sq) csq[static_cast<std::size_t>(g)].setZero(c.m);
-        for (Index b = g * nb / groups; b < (g + 1) * nb / groups; ++b) {
-          const Index r0 = b * c.block, rows = std::min(c.block, c.n - r0);
-          kep_kernel_block(c, r0, rows, Kb);
-          Zg.noalias() += Kb.transpose() * X.middleRows(r0, rows);
-          if (col_sq)
-            csq[static_cast<std::size_t>(g)] +=
-                Kb.template cast<double>().colwise().squaredNorm().transpose();
-        }
-      });
-  Matrix<Scalar> Z = std::move(part[0]);
-  for (std::size_t g = 1; g < part.size(); ++g) Z += part[g];
-  if (col_sq) {
-    *col_sq = csq[0];
-    for (std::size_t g = 1; g < csq.size(); ++g) *col_sq += csq[g];
-  }
-  return Z;
 }
 
 /// Z = K^T K X (m x c) for X (m x c) in ONE streamed pass: each kernel block is formed once and
 /// used twice, sum_b K_b^T (K_b X) (fixed groups, fixed summation order).
-template <typename Scalar>
-Matrix<Scalar> kep_apply_gram(const KepKernelCtx<Scalar>& c, const Matrix<Scalar>& X) {
-  if (c.features) {
+template <typename Scalar, bool Features>
+Matrix<Scalar> kep_apply_gram(const KepKernelCtx<Scalar, Features>& c, const Matrix<Scalar>& X) {
+  if constexpr (Features) {
     Matrix<Scalar> Z;
-    kep_serial([&] { Z = c.B * ((c.A.transpose() * c.A) * (c.B.transpose() * X)); });
+    run_serial([&] { Z = c.B * ((c.A.transpose() * c.A) * (c.B.transpose() * X)); });
+    return Z;
+  } else {
+    const Index nb = c.num_blocks(), groups = std::min(kKepGroups, nb);
+    std::vector<Matrix<Scalar>> part(static_cast<std::size_t>(groups));
+    struct Ws {
+      Matrix<Scalar> Kb, Yb;
+    };
+    parallel_for(
+        groups, [] { return Ws(); },
+        [&](Index g, Ws& ws) {
+          Matrix<Scalar>& Zg = part[static_cast<std::size_t>(g)];
+          Zg.setZero(c.m, X.cols());
+          for (Index b = g * nb / groups; b < (g + 1) * nb / groups; ++b) {
+            const Index r0 = b * c.block, rows = std::min(c.block, c.n - r0);
+            kep_kernel_block(c, r0, rows, ws.Kb);
+            ws.Yb.noalias() = ws.Kb * X;
+            Zg.noalias() += ws.Kb.transpose() * ws.Yb;
+          }
+        });
+    Matrix<Scalar> Z = std::move(part[0]);
+    for (std::size_t g = 1; g < part.size(); ++g) Z += part[g];
     return Z;
   }
-  const Index nb = c.num_blocks(), groups = std::min(kKepGroups, nb);
-  std::vector<Matrix<Scalar>> part(static_cast<std::size_t>(groups));
-  struct Ws {
-    Matrix<Scalar> Kb, Yb;
-  };
-  parallel_for(
-      groups, [] { return Ws(); },
-      [&](Index g, Ws& ws) {
-        Matrix<Scalar>& Zg = part[static_cast<std::size_t>(g)];
-        Zg.setZero(c.m, X.cols());
-        for (Index b = g * nb / groups; b < (g + 1) * nb / groups; ++b) {
-          const Index r0 = b * c.block, rows = std::min(c.block, c.n - r0);
-          kep_kernel_block(c, r0, rows, ws.Kb);
-          ws.Yb.noalias() = ws.Kb * X;
-          Zg.noalias() += ws.Kb.transpose() * ws.Yb;
-        }
-      });
-  Matrix<Scalar> Z = std::move(part[0]);
-  for (std::size_t g = 1; g < part.size(); ++g) Z += part[g];
-  return Z;
 }
 
-/// The dense n x m kernel (oracle paths only).
-template <typename Scalar>
-Matrix<Scalar> kep_dense_kernel(const KepKernelCtx<Scalar>& c) {
-  if (c.features) return c.A * c.B.transpose();
-  Matrix<Scalar> Kd(c.n, c.m);
-  parallel_for(
-      c.num_blocks(), [] { return Matrix<Scalar>(); },
-      [&](Index b, Matrix<Scalar>& Kb) {
-        const Index r0 = b * c.block, rows = std::min(c.block, c.n - r0);
-        kep_kernel_block(c, r0, rows, Kb);
-        Kd.middleRows(r0, rows) = Kb;
-      });
-  return Kd;
+/// The dense n x m kernel (DenseSvd only).
+template <typename Scalar, bool Features>
+Matrix<Scalar> kep_dense_kernel(const KepKernelCtx<Scalar, Features>& c) {
+  if constexpr (Features) {
+    return c.A * c.B.transpose();
+  } else {
+    Matrix<Scalar> Kd(c.n, c.m);
+    parallel_for(
+        c.num_blocks(), [] { return Matrix<Scalar>(); },
+        [&](Index b, Matrix<Scalar>& Kb) {
+          const Index r0 = b * c.block, rows = std::min(c.block, c.n - r0);
+          kep_kernel_block(c, r0, rows, Kb);
+          Kd.middleRows(r0, rows) = Kb;
+        });
+    return Kd;
+  }
 }
 
 /// Thin orthonormal basis of the columns of X (Householder QR; orthonormal even when X is
@@ -193,20 +193,28 @@ Matrix<Scalar> kep_orth(const Matrix<Scalar>& X) {
   return qr.householderQ() * Matrix<Scalar>::Identity(X.rows(), X.cols());
 }
 
-/// Thin SVD of a small or dense matrix: JacobiSVD up to 16 columns/rows, BDCSVD beyond.
+/// Thin SVD X = U diag(s) W^T with ONE engine, Eigen's BDCSVD: its divide and conquer for
+/// min(rows, cols) > 16, and its JacobiSVD fallback (taken when cols < the switch size) for
+/// smaller matrices and whenever divide and conquer returns non-finite values (Eigen 3.4's
+/// BDCSVD can on exactly degenerate inputs, e.g. a near-permutation softmax kernel with
+/// repeated rows). Raising the switch size above cols selects that fallback, which copies the
+/// result of `JacobiSVD<Matrix>(X, ComputeThinU | ComputeThinV)` unchanged.
 template <typename Scalar>
 void kep_thin_svd(const Matrix<Scalar>& X, Matrix<Scalar>& U, Vector<Scalar>& s,
                   Matrix<Scalar>& W) {
+  Eigen::BDCSVD<Matrix<Scalar>> svd;
+  const auto jacobi = [&] {
+    svd.setSwitchSize(static_cast<int>(std::max<Index>(X.cols() + 1, 16)));
+    svd.compute(X, Eigen::ComputeThinU | Eigen::ComputeThinV);
+  };
   if (std::min(X.rows(), X.cols()) > 16) {
-    Eigen::BDCSVD<Matrix<Scalar>> svd(X, Eigen::ComputeThinU | Eigen::ComputeThinV);
-    U = svd.matrixU();
-    s = svd.singularValues();
-    W = svd.matrixV();
-    // Eigen 3.4's BDCSVD can return NaN on exactly degenerate inputs (e.g. a near-permutation
-    // softmax kernel with repeated rows); JacobiSVD is slower but robust.
-    if (all_finite(U) && all_finite(W) && all_finite(s)) return;
+    svd.compute(X, Eigen::ComputeThinU | Eigen::ComputeThinV);
+    if (!(all_finite(svd.matrixU()) && all_finite(svd.matrixV()) &&
+          all_finite(svd.singularValues())))
+      jacobi();
+  } else {
+    jacobi();
   }
-  Eigen::JacobiSVD<Matrix<Scalar>> svd(X, Eigen::ComputeThinU | Eigen::ComputeThinV);
   U = svd.matrixU();
   s = svd.singularValues();
   W = svd.matrixV();
@@ -242,12 +250,11 @@ inline Eigen::VectorXd kep_clamped_diff(const Eigen::VectorXd& a, const Eigen::V
 
 /// Dense kernels: pre-scaled keys; ExpKernel also needs the global max logit (one extra pass).
 template <typename Scalar>
-void kep_prepare_dense(KepKernelCtx<Scalar>& c, const ConstRef<Scalar>& Q,
+void kep_prepare_dense(KepKernelCtx<Scalar, false>& c, const ConstRef<Scalar>& Q,
                        const ConstRef<Scalar>& K, double scale, bool softmax) {
   c.Q = &Q;
   c.n = Q.rows();
   c.m = K.rows();
-  c.features = false;
   c.softmax = softmax;
   c.Kt = K.transpose() * static_cast<Scalar>(scale);
   if (softmax) return;
@@ -275,44 +282,69 @@ Matrix<Scalar> kep_l2_normalize(const ConstRef<Scalar>& X) {
 /// phi(x)_r = exp(w_r.x~ - |x~|^2/2), x~ = sqrt(scale) x, w_r ~ N(0, I_d) from stream 1 of the
 /// seed. Query features are shifted by their row max and key features by their global max
 /// (both cancel in the row normalisation), so nothing overflows. A row whose features all
-/// underflow becomes zero.
+/// underflow becomes zero. Runs serially (thread-count independent products).
 template <typename Scalar>
-void kep_prepare_prf_serial(KepKernelCtx<Scalar>& c, const ConstRef<Scalar>& Q,
-                            const ConstRef<Scalar>& K, double scale, Index features,
-                            std::uint64_t seed) {
-  Rng rng = make_rng(seed, 1);
-  const Matrix<double> Wf = random_normal<double>(Q.cols(), features, rng);
-  const double rs = std::sqrt(scale);
-  auto logfeat = [&](const ConstRef<Scalar>& X) {
-    const Matrix<double> Xs = X.template cast<double>() * rs;
-    Matrix<double> L = Xs * Wf;
-    L.colwise() -= 0.5 * Xs.rowwise().squaredNorm();
-    return L;
-  };
-  Matrix<double> Lq = logfeat(Q), Lk = logfeat(K);
-  const Eigen::VectorXd qmax = Lq.rowwise().maxCoeff();
-  Lq.colwise() -= qmax;
-  const double kmax = Lk.maxCoeff();
-  Matrix<double> Aq = Lq.array().exp().matrix();
-  const Matrix<double> Bk = (Lk.array() - kmax).exp().matrix();
-  const Eigen::VectorXd den = Aq * Bk.colwise().sum().transpose();
-  for (Index i = 0; i < c.n; ++i) Aq.row(i) *= den(i) > 0 ? 1.0 / den(i) : 0.0;
-  c.A = Aq.template cast<Scalar>();
-  c.B = Bk.template cast<Scalar>();
-}
-
-template <typename Scalar>
-void kep_prepare_prf(KepKernelCtx<Scalar>& c, const ConstRef<Scalar>& Q, const ConstRef<Scalar>& K,
-                     double scale, Index features, std::uint64_t seed) {
+void kep_prepare_prf(KepKernelCtx<Scalar, true>& c, const ConstRef<Scalar>& Q,
+                     const ConstRef<Scalar>& K, double scale, Index features, std::uint64_t seed) {
   c.n = Q.rows();
   c.m = K.rows();
-  c.features = true;
-  kep_serial([&] { kep_prepare_prf_serial(c, Q, K, scale, features, seed); });
+  run_serial([&] {
+    Rng rng = make_rng(seed, 1);
+    const Matrix<double> Wf = random_normal<double>(Q.cols(), features, rng);
+    const double rs = std::sqrt(scale);
+    auto logfeat = [&](const ConstRef<Scalar>& X) {
+      const Matrix<double> Xs = X.template cast<double>() * rs;
+      Matrix<double> L = Xs * Wf;
+      L.colwise() -= 0.5 * Xs.rowwise().squaredNorm();
+      return L;
+    };
+    Matrix<double> Lq = logfeat(Q), Lk = logfeat(K);
+    const Eigen::VectorXd qmax = Lq.rowwise().maxCoeff();
+    Lq.colwise() -= qmax;
+    const double kmax = Lk.maxCoeff();
+    Matrix<double> Aq = Lq.array().exp().matrix();
+    const Matrix<double> Bk = (Lk.array() - kmax).exp().matrix();
+    const Eigen::VectorXd den = Aq * Bk.colwise().sum().transpose();
+    for (Index i = 0; i < c.n; ++i) Aq.row(i) *= den(i) > 0 ? 1.0 / den(i) : 0.0;
+    c.A = Aq.template cast<Scalar>();
+    c.B = Bk.template cast<Scalar>();
+  });
+}
+
+/// Builds the kernel context of policy `Kernel` for (Q, K) (the kernel itself is applied
+/// lazily, in blocks, by kep_apply and friends).
+template <typename Kernel, typename Scalar>
+void kep_prepare(KepKernelCtx<Scalar, Kernel::has_features>& c, const ConstRef<Scalar>& Q,
+                 const ConstRef<Scalar>& K, const KepSvgpOptions& o) {
+  const Index m = K.rows();
+  c.block =
+      o.block_rows > 0
+          ? o.block_rows
+          : std::max<Index>(32, std::min<Index>(256, (Index{1} << 21) / std::max<Index>(m, 1)));
+  c.n = Q.rows();
+  c.m = m;
+  const double scale = resolve_scale(o.scale, Q.cols());
+  if constexpr (std::is_same_v<Kernel, policy::SoftmaxRowKernel>) {
+    kep_prepare_dense(c, Q, K, scale, true);
+  } else if constexpr (std::is_same_v<Kernel, policy::ExpKernel>) {
+    kep_prepare_dense(c, Q, K, scale, false);
+  } else if constexpr (std::is_same_v<Kernel, policy::CosineKernel>) {
+    c.A = kep_l2_normalize(Q);
+    c.B = kep_l2_normalize(K);
+  } else if constexpr (std::is_same_v<Kernel, policy::LinearKernel>) {
+    c.A = Q * static_cast<Scalar>(scale);
+    c.B = K;
+  } else {
+    static_assert(is_prf_kernel<Kernel>::value,
+                  "effattn: KepSvgpAttention Kernel must be policy::SoftmaxRowKernel, ExpKernel, "
+                  "CosineKernel, LinearKernel or PositiveRandomFeatureKernel<M>");
+    kep_prepare_prf(c, Q, K, scale, Kernel::features, o.seed);
+  }
 }
 
 /// Dense oracle: the formed kernel, BDCSVD (JacobiSVD up to 16), exact residuals.
-template <typename Scalar>
-void kep_svd_dense(const KepKernelCtx<Scalar>& c, Index want, double rtol,
+template <typename Scalar, bool Features>
+void kep_svd_dense(const KepKernelCtx<Scalar, Features>& c, Index want, double rtol,
                    kepsvgp::KsvdResult<Scalar>& out) {
   const Matrix<Scalar> Kd = kep_dense_kernel(c);
   Matrix<Scalar> U, W;
@@ -340,27 +372,28 @@ void kep_svd_dense(const KepKernelCtx<Scalar>& c, Index want, double rtol,
 /// K^T): Z <- orth(K^T K Z) for power + 1 fused passes from a Gaussian m x l start, then
 /// C = K Z exactly, SVD of C. Each kernel block is formed once per pass; q + 2 kernel passes in
 /// total (the column-space algorithm needs 2q + 2). E = K H_r = C W is exact, so the residual
-/// ||K_i||^2 - ||E_i||^2 is the exact projection residual of the computed subspace.
-template <typename Scalar>
-void kep_svd_randomized(const KepKernelCtx<Scalar>& c, Index want, double rtol, Index oversample,
-                        int power, std::uint64_t seed, bool need_r,
+/// ||K_i||^2 - ||E_i||^2 is the exact projection residual of the computed subspace. R and
+/// res_col are left empty (kep_randomized_r adds them for the merges that need them).
+template <typename Scalar, bool Features>
+void kep_svd_randomized(const KepKernelCtx<Scalar, Features>& c, Index want, double rtol,
+                        Index oversample, int power, std::uint64_t seed,
                         kepsvgp::KsvdResult<Scalar>& out) {
   const Index l = std::min(want + oversample, std::min(c.n, c.m));
   Rng rng = make_rng(seed, 0);
   Matrix<Scalar> Z = random_normal<Scalar>(c.m, l, rng);
   for (int t = 0; t <= power; ++t) {
     const Matrix<Scalar> G = kep_apply_gram(c, Z);
-    kep_serial([&] { Z = kep_orth(G); });
+    run_serial([&] { Z = kep_orth(G); });
   }
   Eigen::VectorXd rsq;
   const Matrix<Scalar> C = kep_apply(c, Z, &rsq);
   Matrix<Scalar> U, W;
   Vector<Scalar> s;
-  kep_serial([&] { kep_thin_svd(C, U, s, W); });
+  run_serial([&] { kep_thin_svd(C, U, s, W); });
   const Index r = kep_keep(s, want, rtol);
   out.He = U.leftCols(r);
   Matrix<Scalar> Wr = W.leftCols(r);
-  kep_serial([&] { out.Hr.noalias() = Z * Wr; });
+  run_serial([&] { out.Hr.noalias() = Z * Wr; });
   out.lambda = s.head(r);
   out.spectrum = s;
   for (Index k = 0; k < r; ++k) {
@@ -372,57 +405,449 @@ void kep_svd_randomized(const KepKernelCtx<Scalar>& c, Index want, double rtol, 
       Wr.col(k) = -Wr.col(k);
     }
   }
-  kep_serial([&] { out.E.noalias() = C * Wr; });
+  run_serial([&] { out.E.noalias() = C * Wr; });
   out.res_row = kep_clamped_diff(rsq, out.E.template cast<double>().rowwise().squaredNorm())
                     .template cast<Scalar>();
   out.sketch = l;
-  if (need_r) {
-    Eigen::VectorXd csq;
-    out.R = kep_apply_transpose(c, out.He, &csq);
-    out.res_col = kep_clamped_diff(csq, out.R.template cast<double>().rowwise().squaredNorm())
-                      .template cast<Scalar>();
-  } else {
-    out.R.resize(0, 0);
-    out.res_col.resize(0);
-  }
+}
+
+/// R = K^T H_e and the column residuals ||K_{:,j}||^2 - ||R_j||^2 of a randomized KSVD (one more
+/// streamed kernel pass).
+template <typename Scalar, bool Features>
+void kep_randomized_r(const KepKernelCtx<Scalar, Features>& c, kepsvgp::KsvdResult<Scalar>& out) {
+  Eigen::VectorXd csq;
+  out.R = kep_apply_transpose(c, out.He, &csq);
+  out.res_col = kep_clamped_diff(csq, out.R.template cast<double>().rowwise().squaredNorm())
+                    .template cast<Scalar>();
 }
 
 /// Exact KSVD of K = A B^T: thin QR of A and B, SVD of the small core R_A R_B^T. Residuals come
-/// from the discarded part of the core (no cancellation). O((n + m) p^2 + p^3).
+/// from the discarded part of the core (no cancellation). O((n + m) p^2 + p^3). Runs serially.
 template <typename Scalar>
-void kep_svd_factorized_serial(const KepKernelCtx<Scalar>& c, Index want, double rtol,
-                               kepsvgp::KsvdResult<Scalar>& out) {
-  const Index p = c.A.cols();
-  const Index pa = std::min(c.n, p), pb = std::min(c.m, p);
-  Eigen::HouseholderQR<Matrix<Scalar>> qa(c.A), qb(c.B);
-  const Matrix<Scalar> QA = qa.householderQ() * Matrix<Scalar>::Identity(c.n, pa);
-  const Matrix<Scalar> QB = qb.householderQ() * Matrix<Scalar>::Identity(c.m, pb);
-  const Matrix<Scalar> RA = qa.matrixQR().topRows(pa).template triangularView<Eigen::Upper>();
-  const Matrix<Scalar> RB = qb.matrixQR().topRows(pb).template triangularView<Eigen::Upper>();
-  const Matrix<Scalar> core = RA * RB.transpose();
-  Matrix<Scalar> U, W;
-  Vector<Scalar> s;
-  kep_thin_svd(core, U, s, W);
-  const Index r = kep_keep(s, want, rtol), k = s.size();
-  out.He = QA * U.leftCols(r);
-  out.Hr = QB * W.leftCols(r);
-  out.lambda = s.head(r);
-  out.spectrum = s;
-  kep_canonical_signs(out.He, out.Hr);
-  out.E.noalias() = c.A * (c.B.transpose() * out.Hr);
-  out.R.noalias() = c.B * (c.A.transpose() * out.He);
-  const Matrix<Scalar> TA = QA * (U.rightCols(k - r) * s.tail(k - r).asDiagonal());
-  const Matrix<Scalar> TB = QB * (W.rightCols(k - r) * s.tail(k - r).asDiagonal());
-  out.res_row = TA.template cast<double>().rowwise().squaredNorm().template cast<Scalar>();
-  out.res_col = TB.template cast<double>().rowwise().squaredNorm().template cast<Scalar>();
-  out.sketch = k;
+void kep_svd_factorized(const KepKernelCtx<Scalar, true>& c, Index want, double rtol,
+                        kepsvgp::KsvdResult<Scalar>& out) {
+  run_serial([&] {
+    const Index p = c.A.cols();
+    const Index pa = std::min(c.n, p), pb = std::min(c.m, p);
+    Eigen::HouseholderQR<Matrix<Scalar>> qa(c.A), qb(c.B);
+    const Matrix<Scalar> QA = qa.householderQ() * Matrix<Scalar>::Identity(c.n, pa);
+    const Matrix<Scalar> QB = qb.householderQ() * Matrix<Scalar>::Identity(c.m, pb);
+    const Matrix<Scalar> RA = qa.matrixQR().topRows(pa).template triangularView<Eigen::Upper>();
+    const Matrix<Scalar> RB = qb.matrixQR().topRows(pb).template triangularView<Eigen::Upper>();
+    const Matrix<Scalar> core = RA * RB.transpose();
+    Matrix<Scalar> U, W;
+    Vector<Scalar> s;
+    kep_thin_svd(core, U, s, W);
+    const Index r = kep_keep(s, want, rtol), k = s.size();
+    out.He = QA * U.leftCols(r);
+    out.Hr = QB * W.leftCols(r);
+    out.lambda = s.head(r);
+    out.spectrum = s;
+    kep_canonical_signs(out.He, out.Hr);
+    out.E.noalias() = c.A * (c.B.transpose() * out.Hr);
+    out.R.noalias() = c.B * (c.A.transpose() * out.He);
+    const Matrix<Scalar> TA = QA * (U.rightCols(k - r) * s.tail(k - r).asDiagonal());
+    const Matrix<Scalar> TB = QB * (W.rightCols(k - r) * s.tail(k - r).asDiagonal());
+    out.res_row = TA.template cast<double>().rowwise().squaredNorm().template cast<Scalar>();
+    out.res_col = TB.template cast<double>().rowwise().squaredNorm().template cast<Scalar>();
+    out.sketch = k;
+  });
 }
 
+/// var(:, c) += row norms^2 of F Lambda^-1 L_c (leading r x r block of L_c, lower part).
 template <typename Scalar>
-void kep_svd_factorized(const KepKernelCtx<Scalar>& c, Index want, double rtol,
-                        kepsvgp::KsvdResult<Scalar>& out) {
-  kep_serial([&] { kep_svd_factorized_serial(c, want, rtol, out); });
+void kep_add_vp_variance(const Matrix<Scalar>& F, const Vector<Scalar>& inv,
+                         const kepsvgp::VariationalParams<Scalar>& vp, Matrix<Scalar>& var) {
+  const Index r = inv.size();
+  const Matrix<Scalar> G = F * inv.asDiagonal();
+  for (Index j = 0; j < var.cols(); ++j) {
+    const Matrix<Scalar> L = vp.L_u[static_cast<std::size_t>(j)]
+                                 .topLeftCorner(r, r)
+                                 .template triangularView<Eigen::Lower>();
+    const Matrix<Scalar> T = G * L;
+    var.col(j).head(G.rows()) +=
+        T.template cast<double>().rowwise().squaredNorm().template cast<Scalar>();
+  }
+}
+
+/// [top; bottom] (rows stacked).
+template <typename Scalar>
+Matrix<Scalar> kep_stack(const Matrix<Scalar>& top, const Matrix<Scalar>& bottom) {
+  Matrix<Scalar> out(top.rows() + bottom.rows(), top.cols());
+  out << top, bottom;
+  return out;
 }
 
 }  // namespace detail
+
+// ---- KepSvgpResult ------------------------------------------------------------------------------
+
+template <typename Scalar>
+Diagnostics KepSvgpResult<Scalar>::diagnostics() const {
+  const Vector<Scalar>& lam = ksvd.lambda;
+  const bool has_var = variance.size() > 0;
+  return {{"rank_used", static_cast<double>(rank_used)},
+          {"sketch", static_cast<double>(ksvd.sketch)},
+          {"kernel_shift", kernel_shift},
+          {"lambda_max", lam.size() > 0 ? static_cast<double>(lam(0)) : 0.0},
+          {"lambda_min", lam.size() > 0 ? static_cast<double>(lam(lam.size() - 1)) : 0.0},
+          {"mean_variance", has_var ? variance.template cast<double>().mean() : 0.0},
+          {"max_variance", has_var ? static_cast<double>(variance.maxCoeff()) : 0.0}};
+}
+
+// ---- KepSvgpAttention ---------------------------------------------------------------------------
+
+template <typename Scalar_, typename Kernel, typename Svd, typename Merge>
+KepSvgpAttention<Scalar_, Kernel, Svd, Merge>::KepSvgpAttention(Options opts)
+    : m_opts(std::move(opts)) {
+  using detail::cat;
+  using detail::is_one_of;
+  detail::check_scale_option(m_opts.scale, name);
+  EFFATTN_CHECK(m_opts.rank >= 1, cat(name, ": Options::rank (s) must be >= 1; got ", m_opts.rank));
+  EFFATTN_CHECK(m_opts.oversample >= 0,
+                cat(name, ": Options::oversample must be >= 0; got ", m_opts.oversample));
+  EFFATTN_CHECK(m_opts.power_iters >= 0,
+                cat(name, ": Options::power_iters must be >= 0; got ", m_opts.power_iters));
+  EFFATTN_CHECK(std::isfinite(m_opts.rank_rtol) && m_opts.rank_rtol >= 0 && m_opts.rank_rtol < 1,
+                cat(name, ": Options::rank_rtol must be in [0, 1); got ", m_opts.rank_rtol));
+  EFFATTN_CHECK(m_opts.block_rows >= 0,
+                cat(name, ": Options::block_rows must be >= 0; got ", m_opts.block_rows));
+  EFFATTN_CHECK(
+      is_one_of(m_opts.cov, {kepsvgp::CovMode::Full, kepsvgp::CovMode::Approx}) &&
+          is_one_of(m_opts.prior,
+                    {kepsvgp::PriorScale::Auto, kepsvgp::PriorScale::ValueSecondMoment,
+                     kepsvgp::PriorScale::Unit}) &&
+          is_one_of(m_opts.rbranch, {kepsvgp::RBranch::Shared, kepsvgp::RBranch::Transpose}),
+      cat(name, ": Options::cov, prior or rbranch is not a valid enumerator"));
+}
+
+template <typename Scalar_, typename Kernel, typename Svd, typename Merge>
+typename KepSvgpAttention<Scalar_, Kernel, Svd, Merge>::Result
+KepSvgpAttention<Scalar_, Kernel, Svd, Merge>::compute(const Ref& Q, const Ref& K,
+                                                       const Ref& V) const {
+  return run(Q, K, V, nullptr);
+}
+
+template <typename Scalar_, typename Kernel, typename Svd, typename Merge>
+typename KepSvgpAttention<Scalar_, Kernel, Svd, Merge>::Result
+KepSvgpAttention<Scalar_, Kernel, Svd, Merge>::compute(const Ref& Q, const Ref& K, const Ref& V,
+                                                       const VariationalParams& vp) const {
+  return run(Q, K, V, &vp);
+}
+
+template <typename Scalar_, typename Kernel, typename Svd, typename Merge>
+typename KepSvgpAttention<Scalar_, Kernel, Svd, Merge>::MatrixType
+KepSvgpAttention<Scalar_, Kernel, Svd, Merge>::operator()(const Ref& Q, const Ref& K,
+                                                          const Ref& V) const {
+  Result r = run(Q, K, V, nullptr);
+  if (r.info != Info::Success) detail::throw_numerical_error(name, r.info);
+  return std::move(r.output);
+}
+
+template <typename Scalar_, typename Kernel, typename Svd, typename Merge>
+typename KepSvgpAttention<Scalar_, Kernel, Svd, Merge>::Result
+KepSvgpAttention<Scalar_, Kernel, Svd, Merge>::run(const Ref& Q, const Ref& K, const Ref& V,
+                                                   const VariationalParams* vp) const {
+  using detail::cat;
+  detail::check_attention_inputs(Q, K, V, name);
+  const Index n = Q.rows(), m = K.rows(), dv = V.cols();
+  const Index want = std::min(m_opts.rank, std::min(n, m));
+  const bool transpose = !kEOnly && m_opts.rbranch == kepsvgp::RBranch::Transpose;
+  EFFATTN_CHECK(!(kAdd || transpose) || n == m,
+                cat(name, ": Addition merge and RBranch::Transpose need n = m; got Q ",
+                    detail::shape(Q), ", K ", detail::shape(K)));
+  if (vp) check_vp(*vp, want, dv);
+
+  Result res;
+  detail::KepKernelCtx<Scalar, Kernel::has_features> c;
+  detail::kep_prepare<Kernel>(c, Q, K, m_opts);
+  res.kernel_shift = static_cast<double>(c.shift);
+  kepsvgp::KsvdResult<Scalar>& ks = res.ksvd;
+  const double rtol =
+      m_opts.rank_rtol > 0 ? m_opts.rank_rtol : (std::is_same_v<Scalar, float> ? 1e-6 : 1e-12);
+  if constexpr (std::is_same_v<Svd, policy::DenseSvd>) {
+    detail::kep_svd_dense(c, want, rtol, ks);
+  } else if constexpr (std::is_same_v<Svd, policy::FactorizedSvd>) {
+    detail::kep_svd_factorized(c, want, rtol, ks);
+  } else {
+    detail::kep_svd_randomized(c, want, rtol, m_opts.oversample, m_opts.power_iters, m_opts.seed,
+                               ks);
+    if constexpr (!kEOnly) detail::kep_randomized_r(c, ks);
+  }
+  const Index r = ks.lambda.size();
+  ks.rank_used = r;
+  res.rank_used = r;
+
+  // Posterior assembly; serial Eigen products (thread-count independent rounding).
+  detail::run_serial([&] { assemble(res, V, vp, transpose); });
+  bool finite = detail::all_finite(res.output) && detail::all_finite(res.variance);
+  if constexpr (kConcat)
+    finite = finite && detail::all_finite(res.output_keys) && detail::all_finite(res.variance_keys);
+  res.info = finite ? Info::Success : Info::NumericalIssue;
+  return res;
+}
+
+template <typename Scalar_, typename Kernel, typename Svd, typename Merge>
+void KepSvgpAttention<Scalar_, Kernel, Svd, Merge>::assemble(Result& res, const Ref& V,
+                                                             const VariationalParams* vp,
+                                                             bool transpose) const {
+  const auto& ks = res.ksvd;
+  const Index r = ks.rank_used, n = ks.E.rows(), m = ks.Hr.rows(), dv = V.cols();
+  // Prior scales sigma_c^2.
+  const kepsvgp::PriorScale ps =
+      m_opts.prior == kepsvgp::PriorScale::Auto
+          ? (vp ? kepsvgp::PriorScale::Unit : kepsvgp::PriorScale::ValueSecondMoment)
+          : m_opts.prior;
+  res.prior_variance.resize(dv);
+  for (Index j = 0; j < dv; ++j)
+    res.prior_variance(j) =
+        ps == kepsvgp::PriorScale::Unit
+            ? Scalar(1)
+            : static_cast<Scalar>(V.col(j).template cast<double>().squaredNorm() /
+                                  static_cast<double>(m));
+  const bool full = m_opts.cov == kepsvgp::CovMode::Full;
+  const Vector<Scalar> inv = ks.lambda.cwiseInverse();
+
+  // Coefficients in the H basis: mean = E Lambda^-1 m_u = E coef.
+  MatrixType coef_e(r, dv);
+  if (vp)
+    coef_e = inv.asDiagonal() * vp->m_u.topRows(r);
+  else
+    coef_e.noalias() = ks.Hr.transpose() * V;  // Lambda^-1 (Lambda H_r^T V)
+  MatrixType mean_e = MatrixType::Zero(n, dv), var_e = MatrixType::Zero(n, dv);
+  if (r > 0) mean_e.noalias() = ks.E * coef_e;
+  if (full) var_e = ks.res_row * res.prior_variance.transpose();
+  if constexpr (kEOnly) {
+    if (vp && r > 0) detail::kep_add_vp_variance(ks.E, inv, *vp, var_e);
+    res.output = std::move(mean_e);
+    res.variance = std::move(var_e);
+  } else {
+    const MatrixType coef_r = transpose && !vp ? MatrixType(ks.He.transpose() * V) : coef_e;
+    MatrixType mean_r = MatrixType::Zero(m, dv), var_r = MatrixType::Zero(m, dv);
+    if (r > 0) mean_r.noalias() = ks.R * coef_r;
+    if (full) var_r = ks.res_col * res.prior_variance.transpose();
+    if constexpr (kAdd) {
+      res.output = mean_e + mean_r;
+      res.variance = var_e + var_r;
+      if (vp && r > 0) detail::kep_add_vp_variance(MatrixType(ks.E + ks.R), inv, *vp, res.variance);
+    } else {
+      if (vp && r > 0) {
+        detail::kep_add_vp_variance(ks.E, inv, *vp, var_e);
+        detail::kep_add_vp_variance(ks.R, inv, *vp, var_r);
+      }
+      res.output = std::move(mean_e);
+      res.variance = std::move(var_e);
+      res.output_keys = std::move(mean_r);
+      res.variance_keys = std::move(var_r);
+    }
+  }
+}
+
+template <typename Scalar_, typename Kernel, typename Svd, typename Merge>
+typename KepSvgpAttention<Scalar_, Kernel, Svd, Merge>::MatrixType
+KepSvgpAttention<Scalar_, Kernel, Svd, Merge>::sample(const Ref& Q, const Ref& K, const Result& res,
+                                                      kepsvgp::SampleMode mode, Rng& rng) const {
+  return draw(Q, K, res, mode, rng, nullptr);
+}
+
+template <typename Scalar_, typename Kernel, typename Svd, typename Merge>
+typename KepSvgpAttention<Scalar_, Kernel, Svd, Merge>::MatrixType
+KepSvgpAttention<Scalar_, Kernel, Svd, Merge>::sample(const Ref& Q, const Ref& K, const Result& res,
+                                                      kepsvgp::SampleMode mode, Rng& rng,
+                                                      const VariationalParams& vp) const {
+  return draw(Q, K, res, mode, rng, &vp);
+}
+
+template <typename Scalar_, typename Kernel, typename Svd, typename Merge>
+typename KepSvgpAttention<Scalar_, Kernel, Svd, Merge>::MatrixType
+KepSvgpAttention<Scalar_, Kernel, Svd, Merge>::sample(const Ref& Q, const Ref& K, const Result& res,
+                                                      kepsvgp::SampleMode mode,
+                                                      std::uint64_t seed) const {
+  Rng rng = make_rng(seed, 2);
+  return draw(Q, K, res, mode, rng, nullptr);
+}
+
+template <typename Scalar_, typename Kernel, typename Svd, typename Merge>
+typename KepSvgpAttention<Scalar_, Kernel, Svd, Merge>::MatrixType
+KepSvgpAttention<Scalar_, Kernel, Svd, Merge>::sample(const Ref& Q, const Ref& K, const Result& res,
+                                                      kepsvgp::SampleMode mode, std::uint64_t seed,
+                                                      const VariationalParams& vp) const {
+  Rng rng = make_rng(seed, 2);
+  return draw(Q, K, res, mode, rng, &vp);
+}
+
+template <typename Scalar_, typename Kernel, typename Svd, typename Merge>
+typename KepSvgpAttention<Scalar_, Kernel, Svd, Merge>::MatrixType
+KepSvgpAttention<Scalar_, Kernel, Svd, Merge>::draw(const Ref& Q, const Ref& K, const Result& res,
+                                                    kepsvgp::SampleMode mode, Rng& rng,
+                                                    const VariationalParams* vp) const {
+  using detail::cat;
+  const auto& ks = res.ksvd;
+  const Index r = ks.rank_used, dv = res.output.cols();
+  EFFATTN_CHECK(res.info == Info::Success && res.variance.rows() == res.output.rows() &&
+                    res.variance.cols() == dv,
+                cat(name, ": sample needs a successful Result of compute"));
+  if constexpr (kConcat)
+    EFFATTN_CHECK(res.output_keys.cols() == dv &&
+                      res.variance_keys.rows() == res.output_keys.rows() &&
+                      res.variance_keys.cols() == dv,
+                  cat(name, ": sample needs a successful Result of compute"));
+  // The draw covers every output of the Result: [output; output_keys] for Concatenation.
+  const auto mean = [&] {
+    if constexpr (kConcat)
+      return detail::kep_stack(res.output, res.output_keys);
+    else
+      return res.output;
+  };
+  if (mode == kepsvgp::SampleMode::Marginal) {
+    MatrixType out = mean();
+    MatrixType z(out.rows(), dv);
+    fill_normal(z, rng);
+    if constexpr (kConcat)
+      return out + (detail::kep_stack(res.variance, res.variance_keys).array().sqrt() * z.array())
+                       .matrix();
+    else
+      return out + (res.variance.array().sqrt() * z.array()).matrix();
+  }
+  EFFATTN_CHECK(Q.rows() == ks.E.rows() && K.rows() == ks.Hr.rows() && Q.cols() == K.cols(),
+                cat(name, ": sample needs the Q and K of compute; got Q ", detail::shape(Q), ", K ",
+                    detail::shape(K)));
+  if (vp) check_vp(*vp, vp->m_u.rows(), dv);
+  const bool full = m_opts.cov == kepsvgp::CovMode::Full;
+  EFFATTN_CHECK(kEOnly || !full, cat(name,
+                                     ": a Joint sample of the Addition / Concatenation merges "
+                                     "is implemented for CovMode::Approx only"));
+  MatrixType out = mean();
+  const Vector<Scalar> inv = ks.lambda.cwiseInverse();
+  if (vp && r > 0)
+    detail::run_serial([&] {
+      MatrixType F;
+      if constexpr (kAdd)
+        F = ks.E + ks.R;
+      else
+        F = ks.E;
+      Vector<Scalar> eps(r);
+      for (Index j = 0; j < dv; ++j) {
+        fill_normal(eps, rng);
+        const auto L = vp->L_u[static_cast<std::size_t>(j)].topLeftCorner(r, r);
+        const Vector<Scalar> u =
+            inv.asDiagonal() * (L.template triangularView<Eigen::Lower>() * eps);
+        out.col(j).head(F.rows()).noalias() += F * u;
+        if constexpr (kConcat) out.col(j).tail(ks.R.rows()).noalias() += ks.R * u;
+      }
+    });
+  if constexpr (kEOnly) {
+    if (full) {
+      detail::KepKernelCtx<Scalar, Kernel::has_features> c;
+      detail::kep_prepare<Kernel>(c, Q, K, m_opts);
+      MatrixType Xi(K.rows(), dv);
+      fill_normal(Xi, rng);
+      MatrixType resid = detail::kep_apply(c, Xi);
+      detail::run_serial([&] {
+        if (r > 0) resid.noalias() -= ks.E * (ks.Hr.transpose() * Xi);
+        out += resid * res.prior_variance.cwiseSqrt().asDiagonal();
+      });
+    }
+  }
+  return out;
+}
+
+template <typename Scalar_, typename Kernel, typename Svd, typename Merge>
+void KepSvgpAttention<Scalar_, Kernel, Svd, Merge>::check_vp(const VariationalParams& vp, Index s,
+                                                             Index dv) {
+  using detail::cat;
+  EFFATTN_CHECK(vp.m_u.rows() == s && vp.m_u.cols() == dv,
+                cat(name, ": vp.m_u must be s x dv = ", s, " x ", dv,
+                    " (s = min(rank, n, m)); got ", detail::shape(vp.m_u)));
+  EFFATTN_CHECK(static_cast<Index>(vp.L_u.size()) == dv,
+                cat(name, ": vp.L_u must hold dv = ", dv, " factors; got ", vp.L_u.size()));
+  detail::check_finite(vp.m_u, "vp.m_u");
+  for (const MatrixType& L : vp.L_u) {
+    EFFATTN_CHECK(L.rows() == s && L.cols() == s,
+                  cat(name, ": every vp.L_u factor must be s x s = ", s, " x ", s, "; got ",
+                      detail::shape(L)));
+    detail::check_finite(L, "vp.L_u");
+  }
+}
+
+// ---- Trainer utilities --------------------------------------------------------------------------
+
+namespace kepsvgp {
+
+template <typename Scalar>
+double kl_divergence(const Vector<Scalar>& lambda, const VariationalParams<Scalar>& vp) {
+  using detail::cat;
+  const Index s = lambda.size();
+  EFFATTN_CHECK(s >= 1 && vp.m_u.rows() == s && static_cast<Index>(vp.L_u.size()) == vp.m_u.cols(),
+                cat("kl_divergence: need lambda (s), m_u (s x dv) and dv factors; got s = ", s,
+                    ", m_u ", detail::shape(vp.m_u), ", ", vp.L_u.size(), " factors"));
+  const Eigen::VectorXd lam = lambda.template cast<double>();
+  EFFATTN_CHECK((lam.array() > 0).all() && lam.allFinite(),
+                "kl_divergence: lambda must be finite and > 0");
+  const Eigen::VectorXd il = lam.cwiseInverse();
+  const double logdet_p = 2.0 * lam.array().log().sum();
+  double kl = 0;
+  for (Index c = 0; c < vp.m_u.cols(); ++c) {
+    const Matrix<double> L = vp.L_u[static_cast<std::size_t>(c)].template cast<double>();
+    EFFATTN_CHECK(L.rows() == s && L.cols() == s,
+                  cat("kl_divergence: L_u factors must be s x s; got ", detail::shape(L)));
+    EFFATTN_CHECK((L.diagonal().array() > 0).all() && L.allFinite(),
+                  "kl_divergence: L_u factors need a finite, positive diagonal");
+    EFFATTN_CHECK(L.template triangularView<Eigen::StrictlyUpper>().toDenseMatrix().isZero(0),
+                  "kl_divergence: L_u factors must be lower triangular");
+    const double tr = (il.asDiagonal() * L).squaredNorm();
+    const double quad = il.cwiseProduct(vp.m_u.col(c).template cast<double>()).squaredNorm();
+    const double logdet_s = 2.0 * L.diagonal().array().log().sum();
+    kl += 0.5 * (tr + quad + logdet_p - logdet_s - static_cast<double>(s));
+  }
+  return kl;
+}
+
+template <typename Scalar>
+double ksvd_loss(const Matrix<Scalar>& E, const Matrix<Scalar>& R, const Vector<Scalar>& lambda,
+                 const Matrix<Scalar>& We, const Matrix<Scalar>& Wr, Reduction reduction) {
+  using detail::cat;
+  const Index s = lambda.size();
+  EFFATTN_CHECK(E.cols() == s && R.cols() == s && We.cols() == s && Wr.cols() == s &&
+                    We.rows() == Wr.rows() && E.rows() > 0 && R.rows() > 0,
+                cat("ksvd_loss: need E (n x s), R (m x s), lambda (s), W_e, W_r (p x s); got E ",
+                    detail::shape(E), ", R ", detail::shape(R), ", s = ", s, ", W_e ",
+                    detail::shape(We), ", W_r ", detail::shape(Wr)));
+  EFFATTN_CHECK((lambda.array() > Scalar(0)).all(), "ksvd_loss: lambda must be > 0");
+  const Eigen::VectorXd il = lambda.template cast<double>().cwiseInverse();
+  const Matrix<double> Ed = E.template cast<double>(), Rd = R.template cast<double>();
+  double se = (Ed.array().square().matrix() * il).sum();
+  double sr = (Rd.array().square().matrix() * il).sum();
+  if (reduction == Reduction::Mean) {
+    se /= static_cast<double>(E.rows());
+    sr /= static_cast<double>(R.rows());
+  }
+  const double tr = (We.template cast<double>().array() * Wr.template cast<double>().array()).sum();
+  const double J = -0.5 * se - 0.5 * sr + tr;
+  return J * J;
+}
+
+template <typename Scalar>
+Vector<Scalar> normalized_cumulative_spectrum(const Vector<Scalar>& sigma, Power p) {
+  EFFATTN_CHECK(sigma.size() > 0 && sigma.allFinite() && (sigma.array() >= Scalar(0)).all() &&
+                    sigma.maxCoeff() > Scalar(0),
+                "normalized_cumulative_spectrum: need finite, non-negative, not all-zero values");
+  std::vector<double> v(static_cast<std::size_t>(sigma.size()));
+  for (Index i = 0; i < sigma.size(); ++i) {
+    const double x = static_cast<double>(sigma(i));
+    v[static_cast<std::size_t>(i)] = p == Power::Two ? x * x : x;
+  }
+  std::sort(v.begin(), v.end(), [](double a, double b) { return a > b; });
+  double total = 0;
+  for (double x : v) total += x;
+  Vector<Scalar> c(sigma.size());
+  double acc = 0;
+  for (std::size_t i = 0; i < v.size(); ++i) {
+    acc += v[i];
+    c(static_cast<Index>(i)) = static_cast<Scalar>(acc / total);
+  }
+  return c;
+}
+
+}  // namespace kepsvgp
 }  // namespace effattn
