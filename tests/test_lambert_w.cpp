@@ -1,4 +1,5 @@
-// Tests of numerics/lambert_w.hpp against mathematical identities and independently computed values.
+// Tests of numerics/lambert_w.hpp against mathematical identities and independently computed
+// values.
 #include "test_utils.hpp"
 
 #include <effattn/numerics/lambert_w.hpp>
@@ -14,7 +15,7 @@ TEST_CASE("Lambert W0 at known points", "[core][lambert_w]") {
   CHECK(std::abs(lambert_w0(10.0 * std::exp(10.0)) - 10.0) <= 1e-14);
   // The omega constant, W0(1) = 0.56714329040978387299996866221035554975... (OEIS A030178).
   CHECK(std::abs(lambert_w0(1.0) - 0.56714329040978387299996866221035554975) <= 1e-16);
-  // W0(2 / e^2) = 0.217715105757090 (the WildCat spec's Halley-iteration value, section 2.5).
+  // W0(2 / e^2) = 0.217715105757090 (computed independently by a Halley iteration).
   CHECK(std::abs(lambert_w0(2.0 / std::exp(2.0)) - 0.217715105757090) <= 1e-14);
 }
 
@@ -63,8 +64,8 @@ TEST_CASE("Lambert W0 for tiny z follows the series z - z^2", "[core][lambert_w]
 }
 
 TEST_CASE("WildCat temperature golden values via Lambert W0", "[core][lambert_w]") {
-  // tau^2 from the WildCat closed form (spec section 2.5), computed here with lambert_w0 and
-  // compared with the spec's independently computed golden values (Halley iteration):
+  // tau^2 from the WildCat closed form (eq. 12 of the paper), computed here with lambert_w0 and
+  // compared with golden values computed independently (Halley iteration for W0):
   //   b0 = log(m) / (beta R_Q R_K) + 2; rho = b0 / (2 W0(b0 / (2 rho0))); tau^2 = (R_K / R_Q) rho,
   //   rho0 = sqrt(1 + exp(W0(2 / e^2) + 2)).
   const double rho0 = std::sqrt(1.0 + std::exp(lambert_w0(2.0 / std::exp(2.0)) + 2.0));

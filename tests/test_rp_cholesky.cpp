@@ -1,11 +1,11 @@
-// Tests of numerics/rp_cholesky.hpp and numerics/nystrom.hpp against independent dense oracles written
-// here (dense kernels, a textbook partial Cholesky with a given pivot order, a dense greedy
+// Tests of numerics/rp_cholesky.hpp and numerics/nystrom.hpp against independent dense oracles
+// written here (dense kernels, a textbook partial Cholesky with a given pivot order, a dense greedy
 // pivoted Cholesky, dense solves and the exact pivot probabilities of RPCholesky). Statistical
 // tests use fixed seeds and chi-square bounds at significance 1e-4 (explained in place).
 #include "test_utils.hpp"
 
-#include <effattn/numerics/nystrom.hpp>
 #include <effattn/core/random.hpp>
+#include <effattn/numerics/nystrom.hpp>
 #include <effattn/numerics/rp_cholesky.hpp>
 
 #include <Eigen/Cholesky>
@@ -391,7 +391,7 @@ void check_duplicates(const Matrix<In>& X, double tol_rec) {
 TEST_CASE("8 distinct keys repeated 8 times: exactly 8 pivots and exact reconstruction",
           "[core][rp_cholesky]") {
   // Key l is distinct key l % 8 (d = 4, N(0, 1)). Without the round-off threshold the run would
-  // continue on pure round-off residuals (WildCat spec 2.4: error 0.49). Measured reconstruction
+  // continue on pure round-off residuals (reconstruction error 0.49). Measured reconstruction
   // error: <= 1.1e-15 with double selection (float or double input), <= 5.9e-8 with float
   // selection.
   effattn::Rng rng = effattn::make_rng(8);
@@ -523,7 +523,7 @@ TEST_CASE("rank > m takes at most m pivots; a zero kernel takes none", "[core][r
 // ---- Nystrom --------------------------------------------------------------------------------
 
 TEST_CASE("Nystrom weights equal a direct solve and interpolate the landmarks", "[nystrom]") {
-  // WildCat spec section 6 item 3 setting: m = 300, r = 40, d = 6, N(0, 1) keys, s = 1/sqrt(6);
+  // m = 300, r = 40, d = 6, N(0, 1) keys, s = 1/sqrt(6) (WildCat's weight-equivalence setting);
   // measured cond(H(S, S)) = 88 (greedy) to 2.1e3. Measured errors (worst over the three rules):
   // RPC path vs direct 9.7e-16, plain path 9.6e-16, interpolation 1.1e-16 (RPC) and 8.9e-16
   // (plain), exp-dot weights of H vs a direct solve on H 1.2e-15 (log-scaled form 1.2e-15).
@@ -631,4 +631,43 @@ TEST_CASE("Nystrom plain path: arbitrary landmarks, RBF kernel, jitter only when
   require_invalid([&] { (void)effattn::nystrom_weights(k, std::vector<Index>{1, 120}); });
   require_invalid([&] { (void)effattn::nystrom_weights(k, std::vector<Index>{-1, 3}); });
   require_invalid([&] { (void)effattn::nystrom_weights(k, std::vector<Index>{4, 8, 4}); });
+}
+
+TEST_CASE("Nystrom applied without forming W: nystrom_apply and the log-scaled product",
+          "[nystrom]") {
+  // W B = A^{-1} (F B) against W formed first, and the log-scaled product Wt [B | 1] against
+  // exp_dot_log_scaled_weights times [B | 1] (measured agreement <= 3e-16 relative), for every
+  // pivot rule; the GEMM runs by row chunks, so 1 and 2 threads give the same bits.
+  effattn::Rng rng = effattn::make_rng(21);
+  const MatD X = effattn::random_normal<double>(400, 5, rng);
+  const MatD B = effattn::random_normal<double>(400, 3, rng);
+  const effattn::ExpDotKernel<double> k(X, 0.4);
+  auto check_rule = [&](auto rule) {
+    using Rule = decltype(rule);
+    const auto rpc = run<Rule>(k, 70, 4);  // 70 pivots: 3 chunks of 32 rows
+    const auto nys = effattn::nystrom_weights(rpc);
+    REQUIRE(nys.info == effattn::Info::Success);
+    const MatD WB = effattn::nystrom_apply(rpc, B);
+    CHECK(et::rel_fro_error(WB, MatD(nys.weights * B)) <= 1e-12);
+    MatD B1(400, 4);
+    B1 << B, MatD::Ones(400, 1);
+    const auto ls = effattn::exp_dot_log_scaled_weights(k, nys);
+    const auto lp = effattn::exp_dot_log_scaled_product(k, rpc, B);
+    REQUIRE(lp.info == effattn::Info::Success);
+    REQUIRE(lp.product.rows() == rpc.rank());
+    REQUIRE(lp.product.cols() == 4);
+    CHECK(et::rel_fro_error(lp.product, MatD(ls.weights * B1)) <= 1e-12);
+    CHECK(et::max_abs_error(lp.log_scale, ls.log_scale) == 0);
+    const MatD t1 = et::with_threads(1, [&] { return effattn::nystrom_apply(rpc, B); });
+    const MatD t2 = et::with_threads(2, [&] { return effattn::nystrom_apply(rpc, B); });
+    CHECK(et::bitwise_equal(t1, t2));
+  };
+  check_rule(policy::RandomlyPivoted{});
+  check_rule(policy::AcceleratedRandomlyPivoted{});
+  check_rule(policy::GreedyPivoted{});
+  // Expressions bind to the ConstRef argument; shapes are checked.
+  const auto rpc = run<policy::GreedyPivoted>(k, 10, 1);
+  CHECK(effattn::nystrom_apply(rpc, 2.0 * B).rows() == 10);
+  require_invalid([&] { (void)effattn::nystrom_apply(rpc, B.topRows(399)); });
+  require_invalid([&] { (void)effattn::exp_dot_log_scaled_product(k, rpc, B.topRows(10)); });
 }

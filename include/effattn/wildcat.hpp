@@ -1,7 +1,7 @@
 /// \file wildcat.hpp
 /// \brief WildCat: weighted-coreset attention through randomly pivoted Nystrom (RPNys), a KV-cache
 /// compressor, and a certified a-posteriori error bound (Schroeder & Mackey, "WildCat: Near-Linear
-/// Attention in Theory and Practice"; implementation spec: specs/wildcat.md).
+/// Attention in Theory and Practice").
 ///
 /// Exact attention O = D^{-1} A V with A_il = exp(beta <q_i, k_l>) is replaced by a rank-r Nystrom
 /// approximation of A built from the keys alone: with a coreset S of keys (chosen by randomly
@@ -13,11 +13,11 @@
 /// where v_min / v_max are the column extrema of all m values. Keys are first recentred by their
 /// mean and the kernel is tempered, h_tau(x, y) = exp(beta <x, y> / tau^2), with the closed-form
 /// tau of the paper's eq. (12) (Lambert W); both leave exact attention unchanged. Keys are split
-/// into contiguous bins, each compressed independently (in parallel).
+/// into contiguous bins, each compressed independently (in parallel). The Nystrom weights come
+/// from numerics/nystrom.hpp (`exp_dot_log_scaled_product`), the pivots from
+/// numerics/rp_cholesky.hpp.
 #pragma once
 
-#include <algorithm>
-#include <cmath>
 #include <cstdint>
 #include <limits>
 #include <type_traits>
@@ -25,11 +25,9 @@
 #include <vector>
 
 #include "core/checks.hpp"
-#include "numerics/lambert_w.hpp"
-#include "core/parallel.hpp"
-#include "core/random.hpp"
-#include "numerics/rp_cholesky.hpp"
+#include "core/concept.hpp"
 #include "core/types.hpp"
+#include "numerics/rp_cholesky.hpp"
 
 namespace effattn {
 
@@ -42,59 +40,46 @@ namespace wildcat {
 enum class Fallback { Zero, Midpoint };
 
 /// rho0 = sqrt(1 + exp(W0(2 / e^2) + 2)) = 3.191601025323704 (paper eq. 12).
-inline double rho0() {
-  return std::sqrt(1.0 + std::exp(lambert_w0(2.0 * std::exp(-2.0)) + 2.0));
-}
+inline double rho0();
 
-/// The squared temperature tau^2 of the paper's eq. (12) (spec 2.5):
+/// The squared temperature tau^2 of the paper's eq. (12):
 /// b0 = log(m_bin) / (beta R_Q R_K) + 2, rho = b0 / (2 W0(b0 / (2 rho0))), tau^2 = (R_K / R_Q) rho
 /// (rho = tau^2 R_Q / R_K >= 4.0784). Degenerate inputs (R_Q = 0, R_K = 0, or beta R_Q R_K so
 /// small that b0 overflows) give tau = 1: the tempered kernel is then (numerically) rank one.
 /// \throws effattn::invalid_argument on negative or non-finite arguments or m_bin < 1.
-inline double temperature_squared(double beta, double q_radius, double k_radius, Index m_bin) {
-  EFFATTN_CHECK(std::isfinite(beta) && beta > 0 && std::isfinite(q_radius) && q_radius >= 0 &&
-                    std::isfinite(k_radius) && k_radius >= 0 && m_bin >= 1,
-                detail::cat("wildcat::temperature_squared: need beta > 0, radii >= 0 (finite) and "
-                            "m_bin >= 1; got beta = ",
-                            beta, ", R_Q = ", q_radius, ", R_K = ", k_radius, ", m_bin = ", m_bin));
-  const double gamma = beta * q_radius * k_radius;
-  if (!(gamma > 0)) return 1.0;
-  const double b0 = std::log(static_cast<double>(m_bin)) / gamma + 2.0;
-  if (!std::isfinite(b0)) return 1.0;
-  const double rho = b0 / (2.0 * lambert_w0(b0 / (2.0 * rho0())));
-  return k_radius / q_radius * rho;
-}
+inline double temperature_squared(double beta, double q_radius, double k_radius, Index m_bin);
 
 }  // namespace wildcat
 
 /// Options of `WildcatAttention`, `compress_kv`, `recompress_tail` and `weighted_attention`.
+/// WildCat has no causal form (the paper lists it as a limitation):
+/// `WildcatAttention::supports_causal` is false.
 struct WildcatOptions {
   /// Logit scale beta: the logit of (i, l) is scale * <q_i, k_l>. 0 means 1/sqrt(d).
   double scale = 0;
   /// Coreset budget r >= 1 (total over bins): each bin gets ceil(rank / bins) pivots. A bin with
   /// no more keys than that is kept exactly (weights 1), so rank >= m gives exact attention.
   Index rank = 256;
-  /// Number B >= 1 of contiguous key bins (spec 2.7): B bins of floor(m / B) keys plus, if
-  /// m % B != 0, a remainder bin with its own ceil(rank / B) pivots. B > m acts as B = m.
+  /// Number B >= 1 of contiguous key bins: B bins of floor(m / B) keys plus, if m % B != 0, a
+  /// remainder bin with its own ceil(rank / B) pivots. B > m acts as B = m.
   Index bins = 1;
   /// Seed of the pivot draws (bin b uses the stream derive_seed(seed, b)).
   std::uint64_t seed = 0x5eedULL;
   /// Clip every output entry to [vmin_j, vmax_j] (part of the method; Lemma 1 needs it).
   bool clip = true;
-  /// Causal masking is not part of WildCat (the paper lists it as a limitation): true throws.
-  bool causal = false;
   /// Adaptive rank: stop adding pivots to a bin once its residual trace tr(H - Hhat) is
   /// <= rel_tol * tr(H) (tempered kernel of the bin). 0 = always use the full budget.
   double rel_tol = 0;
   /// R_Q, the query-norm bound in eq. (12). 0 = max_i ||q_i|| in the forward pass; for
-  /// `compress_kv` the q_radius argument is used instead (0 there = per-bin R_K, spec 2.9).
+  /// `compress_kv` the q_radius argument is used instead (0 there = each bin's R_K).
   double q_radius = 0;
   /// Use the eq. (12) temperature (default); false uses tau = 1 (ablation only).
   bool temperature = true;
   /// Row fallback when the approximate denominator is not safely positive.
   wildcat::Fallback fallback = wildcat::Fallback::Zero;
-  /// A denominator counts as failed when it is <= denominator_tol * sum_s e^{..} |w_s| (spec
-  /// pitfall 7); such rows are counted in `fallback_rows`.
+  /// A denominator counts as failed when it is <= denominator_tol * sum_s e^{..} |w_s|: with
+  /// negative weights the sum can cancel to a tiny or negative value whose quotient is noise.
+  /// Such rows get the fallback and are counted in `fallback_rows`.
   double denominator_tol = 1e-12;
   /// Accelerated RPCholesky: proposals per block (0 = automatic).
   Index block_size = 0;
@@ -115,15 +100,16 @@ struct WildcatBlock {
   double log_residual_trace = -std::numeric_limits<double>::infinity();
 };
 
-/// \brief A compressed KV cache (spec 2.8, CompressKV): r coreset keys with compressed values
+/// \brief A compressed KV cache (paper Alg. 2, CompressKV): r coreset keys with compressed values
 /// V_S = W V and weights w = W 1, stored in log-scaled form, plus an exact (uncompressed) tail.
 ///
 /// Row s stands for the kernel column exp(beta <q, keys_s> + log_scale_s); the true Nystrom
 /// weights are W(s, :) = exp(log_scale_s) * (row s of the stored weights), so that
 /// sum_s e^{beta<q,k_s> + log_scale_s} values_s approximates sum_l e^{beta<q,k_l>} v_l. The
-/// per-row log-scale keeps everything finite whatever the logit range (spec 2.8, pitfall 5) and
-/// lets blocks compressed separately (bins, later re-compressions) and exact rows (weight 1,
-/// log-scale 0) share one softmax. Keys are in original units (recentring is added back).
+/// per-row log-scale keeps everything finite whatever the logit range (the plain weights carry
+/// factors e^{beta |k|^2 / (2 tau^2)} that overflow for large keys) and lets blocks compressed
+/// separately (bins, later re-compressions) and exact rows (weight 1, log-scale 0) share one
+/// softmax. Keys are in original units (recentring is added back).
 template <typename Scalar>
 struct CompressedKV {
   Matrix<Scalar> keys;               ///< r x d coreset keys (original units)
@@ -144,29 +130,7 @@ struct CompressedKV {
   /// Appends newly decoded tokens exactly (weight 1, log-scale 0) and updates the running
   /// vmin / vmax. O(t (d + dv)).
   /// \throws effattn::invalid_argument on mismatched shapes or non-finite entries.
-  void append(const ConstRef<Scalar>& K, const ConstRef<Scalar>& V) {
-    EFFATTN_CHECK(
-        K.rows() == V.rows() && K.cols() == keys.cols() && V.cols() == values.cols(),
-        detail::cat("CompressedKV::append: need K t x ", keys.cols(), " and V t x ", values.cols(),
-                    "; got K ", detail::shape(K), ", V ", detail::shape(V)));
-    detail::check_finite(K, "K");
-    detail::check_finite(V, "V");
-    const Index r = size(), t = K.rows();
-    keys.conservativeResize(r + t, Eigen::NoChange);
-    values.conservativeResize(r + t, Eigen::NoChange);
-    weights.conservativeResize(r + t);
-    log_scale.conservativeResize(r + t);
-    keys.bottomRows(t) = K;
-    values.bottomRows(t) = V;
-    weights.tail(t).setOnes();
-    log_scale.tail(t).setZero();
-    for (Index j = 0; j < t; ++j) pivots.push_back(tokens + j);
-    tokens += t;
-    if (t > 0) {
-      vmin = vmin.cwiseMin(V.colwise().minCoeff());
-      vmax = vmax.cwiseMax(V.colwise().maxCoeff());
-    }
-  }
+  void append(const ConstRef<Scalar>& K, const ConstRef<Scalar>& V);
 };
 
 /// Result of `WildcatAttention::compute` and `weighted_attention`.
@@ -192,176 +156,18 @@ struct WildcatResult : AttentionResult<Scalar> {
   Index bins = 0;                  ///< bins used (including the remainder bin)
   Index fallback_rows = 0;         ///< rows whose denominator failed (see Options::fallback)
   std::vector<WildcatBlock> blocks;  ///< per-bin diagnostics (tau^2, residual trace, ...)
-};
 
-}  // namespace effattn
-
-#define EFFATTN_WILDCAT_INTERNAL
-#include "detail/wildcat_impl.hpp"
-#undef EFFATTN_WILDCAT_INTERNAL
-
-namespace effattn {
-
-namespace detail {
-inline void check_wildcat_options(const WildcatOptions& o, const char* who) {
-  check_scale_option(o.scale, who);
-  EFFATTN_CHECK(o.rank >= 1, cat(who, ": Options::rank must be >= 1; got ", o.rank));
-  EFFATTN_CHECK(o.bins >= 1, cat(who, ": Options::bins must be >= 1; got ", o.bins));
-  EFFATTN_CHECK(o.rel_tol >= 0 && o.rel_tol < 1,
-                cat(who, ": Options::rel_tol must be in [0, 1); got ", o.rel_tol));
-  EFFATTN_CHECK(std::isfinite(o.q_radius) && o.q_radius >= 0,
-                cat(who, ": Options::q_radius must be finite and >= 0; got ", o.q_radius));
-  EFFATTN_CHECK(
-      std::isfinite(o.denominator_tol) && o.denominator_tol >= 0,
-      cat(who, ": Options::denominator_tol must be finite and >= 0; got ", o.denominator_tol));
-  EFFATTN_CHECK(o.block_size >= 0,
-                cat(who, ": Options::block_size must be >= 0 (0 = automatic); got ", o.block_size));
-  EFFATTN_CHECK(static_cast<unsigned>(o.fallback) <= 1U,
-                cat(who, ": Options::fallback is not a valid enumerator"));
-  EFFATTN_CHECK(!o.causal, cat(who,
-                               ": causal masking is not supported (WildCat has no causal form; "
-                               "use ExactAttention or EvaAttention for causal attention)"));
-}
-
-template <typename Scalar>
-void check_kv(const ConstRef<Scalar>& K, const ConstRef<Scalar>& V, const char* who) {
-  EFFATTN_CHECK(K.rows() > 0 && K.cols() > 0,
-                cat(who, ": K must be m x d with m, d >= 1; got K ", shape(K)));
-  EFFATTN_CHECK(V.rows() == K.rows() && V.cols() > 0,
-                cat(who, ": V must be m x dv with m = K.rows() = ", K.rows(),
-                    " and dv >= 1; got V ", shape(V)));
-  check_finite(K, "K");
-  check_finite(V, "V");
-}
-
-/// Compresses K, V (original units) into a fresh CompressedKV whose keys live in the frame
-/// K - kbar + shift_back * kbar. q_radius < 0 means per-bin R_K.
-template <typename Rule, typename Scalar>
-bool wildcat_compress_all(const ConstRef<Scalar>& K, const ConstRef<Scalar>& V, double beta,
-                          double q_radius, const WildcatOptions& o, bool add_back,
-                          CompressedKV<Scalar>& ckv) {
-  const Index m = K.rows(), d = K.cols(), dv = V.cols();
-  const RowVector<double> kbar = K.template cast<double>().colwise().mean();
-  const Matrix<double> Kc = K.template cast<double>().rowwise() - kbar;
-  ckv = CompressedKV<Scalar>();
-  ckv.keys.resize(0, d);
-  ckv.values.resize(0, dv);
-  ckv.vmin = V.colwise().minCoeff();
-  ckv.vmax = V.colwise().maxCoeff();
-  const bool ok = wildcat_compress<Rule, Scalar>(
-      Kc, V, beta, q_radius, o, o.seed, add_back ? kbar : RowVector<double>::Zero(d), 0, ckv);
-  ckv.tokens = m;
-  ckv.tail_begin = ckv.size();
-  return ok;
-}
-}  // namespace detail
-
-/// \brief CompressKV (paper Alg. 2): compress a KV cache once, attend to it many times with
-/// `weighted_attention`.
-///
-/// \param K keys m x d, \param V values m x dv (original units; K's mean is removed for the
-///        selection and added back to the stored coreset keys).
-/// \param q_radius R_Q, a bound on the norms of the queries that will attend (eq. 12). 0 uses
-///        each bin's R_K (the official code's default for caches). Queries with larger norms
-///        are still handled, but the temperature was tuned for R_Q.
-/// \param opts scale (must match the later `weighted_attention`), rank, bins, seed, rel_tol,
-///        temperature, block_size. Cost O(m r^2 / B + m r (d + dv) / B) time.
-/// \tparam PivotRule the RPCholesky rule (accelerated by default; same pivot distribution as the
-///         sequential rule, GEMM-shaped).
-/// \throws effattn::invalid_argument on bad options (causal, rank < 1, ...), empty, mismatched or
-///         non-finite inputs, or q_radius < 0. Numerical breakdown yields an empty cache
-///         (size() == 0), which weighted_attention rejects.
-template <typename PivotRule = policy::AcceleratedRandomlyPivoted, typename DK, typename DV>
-[[nodiscard]] CompressedKV<typename DK::Scalar> compress_kv(const Eigen::MatrixBase<DK>& K,
-                                                            const Eigen::MatrixBase<DV>& V,
-                                                            double q_radius,
-                                                            const WildcatOptions& opts = {}) {
-  using Scalar = typename DK::Scalar;
-  static_assert(
-      detail::is_supported_scalar_v<Scalar> && std::is_same<Scalar, typename DV::Scalar>::value,
-      "effattn: compress_kv needs K and V of the same scalar, float or double");
-  detail::check_wildcat_options(opts, "compress_kv");
-  EFFATTN_CHECK(std::isfinite(q_radius) && q_radius >= 0,
-                detail::cat("compress_kv: q_radius must be finite and >= 0; got ", q_radius));
-  const ConstRef<Scalar> Kr(K), Vr(V);
-  detail::check_kv<Scalar>(Kr, Vr, "compress_kv");
-  const double beta = detail::resolve_scale(opts.scale, Kr.cols());
-  CompressedKV<Scalar> ckv;
-  if (!detail::wildcat_compress_all<PivotRule, Scalar>(Kr, Vr, beta, q_radius > 0 ? q_radius : -1,
-                                                       opts, true, ckv))
-    ckv = CompressedKV<Scalar>();
-  return ckv;
-}
-
-/// \brief Re-compresses the exact tail of a cache (tokens added by `append`) into a new block
-/// of coreset rows (recentred at the tail's mean, binned with opts.bins, budget opts.rank), so
-/// that the cache stays O(r (d + dv)) during long decodes. Earlier blocks are untouched.
-/// \returns false (cache unchanged) if the compression broke down numerically.
-/// \throws effattn::invalid_argument on bad options or q_radius < 0.
-template <typename PivotRule = policy::AcceleratedRandomlyPivoted, typename Scalar>
-bool recompress_tail(CompressedKV<Scalar>& ckv, double q_radius, const WildcatOptions& opts = {}) {
-  detail::check_wildcat_options(opts, "recompress_tail");
-  EFFATTN_CHECK(std::isfinite(q_radius) && q_radius >= 0,
-                detail::cat("recompress_tail: q_radius must be finite and >= 0; got ", q_radius));
-  const Index t = ckv.tail_size();
-  if (t == 0) return true;
-  const Index t0 = ckv.tail_begin, d = ckv.keys.cols();
-  const Matrix<Scalar> Vt = ckv.values.bottomRows(t);
-  const RowVector<double> kbar = ckv.keys.bottomRows(t).template cast<double>().colwise().mean();
-  const Matrix<double> Kc = ckv.keys.bottomRows(t).template cast<double>().rowwise() - kbar;
-  const Index first = ckv.pivots[static_cast<std::size_t>(t0)];
-  CompressedKV<Scalar> piece;
-  piece.keys.resize(0, d);
-  piece.values.resize(0, Vt.cols());
-  const std::uint64_t seed = derive_seed(opts.seed, 0x7a11ULL + ckv.blocks.size());
-  if (!detail::wildcat_compress<PivotRule, Scalar>(Kc, Vt, detail::resolve_scale(opts.scale, d),
-                                                   q_radius > 0 ? q_radius : -1, opts, seed, kbar,
-                                                   first, piece))
-    return false;
-  const Index k = piece.size();
-  ckv.keys.conservativeResize(t0 + k, Eigen::NoChange);
-  ckv.values.conservativeResize(t0 + k, Eigen::NoChange);
-  ckv.weights.conservativeResize(t0 + k);
-  ckv.log_scale.conservativeResize(t0 + k);
-  ckv.keys.bottomRows(k) = piece.keys;
-  ckv.values.bottomRows(k) = piece.values;
-  ckv.weights.tail(k) = piece.weights;
-  ckv.log_scale.tail(k) = piece.log_scale;
-  ckv.pivots.resize(static_cast<std::size_t>(t0));
-  ckv.pivots.insert(ckv.pivots.end(), piece.pivots.begin(), piece.pivots.end());
-  for (WildcatBlock& b : piece.blocks) {
-    b.row_begin += t0;
-    ckv.blocks.push_back(std::move(b));
+  /// rank, bins, exact_bins (bins kept exactly), fallback_rows, error_bound.
+  Diagnostics diagnostics() const {
+    Index exact_bins = 0;
+    for (const WildcatBlock& b : blocks) exact_bins += b.exact ? 1 : 0;
+    return {{"rank", static_cast<double>(rank)},
+            {"bins", static_cast<double>(bins)},
+            {"exact_bins", static_cast<double>(exact_bins)},
+            {"fallback_rows", static_cast<double>(fallback_rows)},
+            {"error_bound", error_bound}};
   }
-  ckv.tail_begin = ckv.size();
-  return true;
-}
-
-/// \brief WtdAttn (paper Alg. 3): attention of Q (n x d) over a compressed cache, clipped to the
-/// cache's running value range. O(n r (d + dv)) time, O(128 r) extra memory per thread.
-/// Uses opts.scale (same as at compression), clip, fallback, denominator_tol.
-/// \throws effattn::invalid_argument on bad options, an empty cache, or Q empty, non-finite or
-///         with a column count different from the cache's d.
-template <typename DQ>
-[[nodiscard]] WildcatResult<typename DQ::Scalar> weighted_attention(
-    const Eigen::MatrixBase<DQ>& Q, const CompressedKV<typename DQ::Scalar>& ckv,
-    const WildcatOptions& opts = {}) {
-  using Scalar = typename DQ::Scalar;
-  detail::check_wildcat_options(opts, "weighted_attention");
-  EFFATTN_CHECK(ckv.size() > 0, "weighted_attention: the compressed cache is empty");
-  const ConstRef<Scalar> Qr(Q);
-  EFFATTN_CHECK(Qr.rows() > 0 && Qr.cols() == ckv.keys.cols(),
-                detail::cat("weighted_attention: Q must be n x d with n >= 1 and d = ",
-                            ckv.keys.cols(), "; got Q ", detail::shape(Qr)));
-  detail::check_finite(Qr, "Q");
-  WildcatResult<Scalar> res;
-  detail::wildcat_attend<Scalar>(Qr, ckv, detail::resolve_scale(opts.scale, Qr.cols()), opts, res);
-  res.pivots = ckv.pivots;
-  res.rank = ckv.size();
-  res.bins = static_cast<Index>(ckv.blocks.size());
-  res.blocks = ckv.blocks;
-  return res;
-}
+};
 
 /// \ingroup Methods
 /// \brief WildCat attention (paper Alg. 4): recentre the keys, compress them bin by bin with
@@ -382,8 +188,11 @@ template <typename DQ>
 ///
 /// Cost: O(m r^2 / B^2 + m r d / B) to select (bins in parallel; RPCholesky's own tiles in
 /// parallel when B = 1), O(m r dv / B) for V_S, O(n r (d + dv)) to attend (query tiles in
-/// parallel). Memory O(m d + r m / B) transient, nothing n x m. Results are bit-identical for
-/// any thread count (fixed decomposition, per-bin random streams).
+/// parallel). Memory O(m d + r m / B) transient, nothing n x m. With one bin, results are
+/// bit-identical for any thread count (fixed decomposition, per-bin random streams).
+///
+/// The KV-cache members (`compress_kv`, `weighted_attention`, `recompress_tail`, also available as
+/// free functions taking options) use the functor's options.
 ///
 /// \tparam Scalar_ float or double (I/O and the n x r GEMMs; selection is always double).
 /// \tparam PivotRule policy::AcceleratedRandomlyPivoted (default), policy::RandomlyPivoted or
@@ -400,6 +209,11 @@ template <typename DQ>
 template <typename Scalar_, typename PivotRule = policy::AcceleratedRandomlyPivoted>
 class WildcatAttention {
   static_assert(detail::is_supported_scalar_v<Scalar_>, "effattn: Scalar must be float or double");
+  static_assert(std::is_same_v<PivotRule, policy::AcceleratedRandomlyPivoted> ||
+                    std::is_same_v<PivotRule, policy::RandomlyPivoted> ||
+                    std::is_same_v<PivotRule, policy::GreedyPivoted>,
+                "effattn: WildcatAttention PivotRule must be policy::AcceleratedRandomlyPivoted, "
+                "policy::RandomlyPivoted or policy::GreedyPivoted");
 
  public:
   using Scalar = Scalar_;
@@ -409,37 +223,22 @@ class WildcatAttention {
   /// Result of `compute`.
   using Result = WildcatResult<Scalar>;
 
-  /// \throws effattn::invalid_argument on causal = true, rank < 1, bins < 1, rel_tol outside
-  ///         [0, 1), a negative or non-finite scale / q_radius / denominator_tol, block_size < 0.
-  explicit WildcatAttention(Options opts = {}) : m_opts(opts) {
-    detail::check_wildcat_options(m_opts, "WildcatAttention");
-  }
+  static constexpr const char* name = "WildcatAttention";  ///< the method's name
+  static constexpr bool supports_causal = false;           ///< no causal form (a paper limitation)
+  static constexpr bool causal_only = false;               ///< not causal by construction
+  static constexpr bool randomized = true;                 ///< the pivots depend on Options::seed
+  static constexpr bool self_attention_only = false;       ///< any n and m
+  static constexpr bool exact = false;  ///< a rank-r approximation (exact only when rank >= m)
 
-  /// WildCat attention of Q (n x d) over K (m x d), V (m x dv).
+  /// \throws effattn::invalid_argument on rank < 1, bins < 1, rel_tol outside [0, 1), a negative
+  ///         or non-finite scale / q_radius / denominator_tol, block_size < 0, or an invalid
+  ///         fallback enumerator.
+  explicit WildcatAttention(Options opts = {});
+
+  /// WildCat attention of Q (n x d) over K (m x d), V (m x dv). Numerical breakdown of the
+  /// compression gives info = NumericalIssue and an n x dv output of NaN.
   /// \throws effattn::invalid_argument on empty, mismatched or non-finite inputs.
-  [[nodiscard]] Result compute(const Ref& Q, const Ref& K, const Ref& V) const {
-    detail::check_attention_inputs(Q, K, V, "WildcatAttention");
-    const double beta = detail::resolve_scale(m_opts.scale, Q.cols());
-    const double rq = m_opts.q_radius > 0
-                          ? m_opts.q_radius
-                          : std::sqrt(Q.template cast<double>().rowwise().squaredNorm().maxCoeff());
-    CompressedKV<Scalar> ckv;
-    Result res;
-    if (!detail::wildcat_compress_all<PivotRule, Scalar>(K, V, beta, rq, m_opts, false, ckv)) {
-      // NaN, not zeros: a zero row is finite and outside V's range, so it could pass for a result
-      // (found by fuzz_wildcat; regression test "WildCat reports a failed compression as NaN").
-      res.output =
-          Matrix<Scalar>::Constant(Q.rows(), V.cols(), std::numeric_limits<Scalar>::quiet_NaN());
-      res.info = Info::NumericalIssue;
-      return res;
-    }
-    detail::wildcat_attend<Scalar>(Q, ckv, beta, m_opts, res);
-    res.rank = ckv.size();
-    res.bins = static_cast<Index>(ckv.blocks.size());
-    res.pivots = std::move(ckv.pivots);
-    res.blocks = std::move(ckv.blocks);
-    return res;
-  }
+  [[nodiscard]] Result compute(const Ref& Q, const Ref& K, const Ref& V) const;
 
   /// Convenience: `compute(Q, K, V).output`.
   /// \throws effattn::numerical_error if the result is not Success; invalid_argument as compute.
@@ -448,6 +247,18 @@ class WildcatAttention {
     if (r.info != Info::Success) detail::throw_numerical_error("WildcatAttention", r.info);
     return std::move(r.output);
   }
+
+  /// CompressKV with this functor's options (see the free `compress_kv`).
+  /// \throws effattn::invalid_argument on empty, mismatched or non-finite inputs or q_radius < 0.
+  [[nodiscard]] CompressedKV<Scalar> compress_kv(const Ref& K, const Ref& V, double q_radius) const;
+  /// WtdAttn of Q over `ckv` with this functor's options (see the free `weighted_attention`).
+  /// \throws effattn::invalid_argument on an empty cache, or Q empty, non-finite or with a column
+  ///         count different from the cache's d.
+  [[nodiscard]] Result weighted_attention(const Ref& Q, const CompressedKV<Scalar>& ckv) const;
+  /// Re-compresses the exact tail of `ckv` with this functor's options (see the free
+  /// `recompress_tail`). \returns false (cache unchanged) on numerical breakdown.
+  /// \throws effattn::invalid_argument on q_radius < 0.
+  bool recompress_tail(CompressedKV<Scalar>& ckv, double q_radius) const;
 
   /// The options this functor was built with.
   const Options& options() const noexcept { return m_opts; }
@@ -461,4 +272,52 @@ using WildcatAttentionf = WildcatAttention<float>;
 /// WildCat, double.
 using WildcatAttentiond = WildcatAttention<double>;
 
+/// \brief CompressKV (paper Alg. 2): compress a KV cache once, attend to it many times with
+/// `weighted_attention`.
+///
+/// \param K keys m x d, \param V values m x dv (original units; K's mean is removed for the
+///        selection and added back to the stored coreset keys).
+/// \param q_radius R_Q, a bound on the norms of the queries that will attend (eq. 12). 0 uses
+///        each bin's R_K (the official code's default for caches). Queries with larger norms
+///        are still handled, but the temperature was tuned for R_Q.
+/// \param opts scale (must match the later `weighted_attention`), rank, bins, seed, rel_tol,
+///        temperature, block_size. Cost O(m r^2 / B + m r (d + dv) / B) time.
+/// \tparam PivotRule the RPCholesky rule (accelerated by default; same pivot distribution as the
+///         sequential rule, GEMM-shaped).
+/// \throws effattn::invalid_argument on bad options (rank < 1, ...), empty, mismatched or
+///         non-finite inputs, or q_radius < 0. Numerical breakdown yields an empty cache
+///         (size() == 0), which weighted_attention rejects.
+template <typename PivotRule = policy::AcceleratedRandomlyPivoted, typename DK, typename DV>
+[[nodiscard]] CompressedKV<typename DK::Scalar> compress_kv(const Eigen::MatrixBase<DK>& K,
+                                                            const Eigen::MatrixBase<DV>& V,
+                                                            double q_radius,
+                                                            const WildcatOptions& opts = {});
+
+/// \brief Re-compresses the exact tail of a cache (tokens added by `append`) into a new block
+/// of coreset rows (recentred at the tail's mean, binned with opts.bins, budget opts.rank), so
+/// that the cache stays O(r (d + dv)) during long decodes. Earlier blocks are untouched.
+/// \returns false (cache unchanged) if the compression broke down numerically.
+/// \throws effattn::invalid_argument on bad options or q_radius < 0.
+template <typename PivotRule = policy::AcceleratedRandomlyPivoted, typename Scalar>
+bool recompress_tail(CompressedKV<Scalar>& ckv, double q_radius, const WildcatOptions& opts = {});
+
+/// \brief WtdAttn (paper Alg. 3): attention of Q (n x d) over a compressed cache, clipped to the
+/// cache's running value range. O(n r (d + dv)) time, O(128 r) extra memory per thread.
+/// Uses opts.scale (same as at compression), clip, fallback, denominator_tol.
+/// \throws effattn::invalid_argument on bad options, an empty cache, or Q empty, non-finite or
+///         with a column count different from the cache's d.
+template <typename DQ>
+[[nodiscard]] WildcatResult<typename DQ::Scalar> weighted_attention(
+    const Eigen::MatrixBase<DQ>& Q, const CompressedKV<typename DQ::Scalar>& ckv,
+    const WildcatOptions& opts = {});
+
 }  // namespace effattn
+
+#include "detail/wildcat_impl.hpp"
+
+#ifdef EFFATTN_COMPILED
+namespace effattn {
+extern template class WildcatAttention<float>;
+extern template class WildcatAttention<double>;
+}  // namespace effattn
+#endif

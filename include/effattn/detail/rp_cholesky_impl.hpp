@@ -1,6 +1,7 @@
 /// \file rp_cholesky_impl.hpp
-/// \brief Internal: the loops of the three RPCholesky pivot rules. Include
-/// `<effattn/numerics/rp_cholesky.hpp>` instead; this header is not for users.
+/// \brief Internals of effattn/numerics/rp_cholesky.hpp: the loops of the three pivot rules, the
+/// Gaussian-coordinate point set of the provided kernels, and the out-of-class definitions of
+/// `RpCholesky`, `ExpDotKernel` and `GaussianKernel`. Not a public header.
 ///
 /// Notation (see rp_cholesky.hpp): K is the PSD kernel matrix the algorithm factorises (m x m),
 /// w the per-point sampling weights (all ones if the kernel has none), F the row-major factor
@@ -9,67 +10,22 @@
 /// is the (weighted) residual trace.
 #pragma once
 
-#ifndef EFFATTN_RP_CHOLESKY_INTERNAL
-#error "effattn/detail/rp_cholesky_impl.hpp is internal: include <effattn/numerics/rp_cholesky.hpp>"
-#endif
-
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <type_traits>
 #include <utility>
 #include <vector>
 
+#include "../core/checks.hpp"
+#include "../core/errors.hpp"
+#include "../core/parallel.hpp"
+#include "../core/random.hpp"
+#include "../core/types.hpp"
+#include "../numerics/rp_cholesky.hpp"
+
 namespace effattn {
 namespace detail {
-
-// ---- The Kernel concept (documented at RpCholesky) ----
-template <typename K, typename = void>
-struct kernel_scalar {
-  using type = double;
-  static constexpr bool valid = false;
-};
-template <typename K>
-struct kernel_scalar<K, std::void_t<typename K::Scalar>> {
-  using type = typename K::Scalar;
-  static constexpr bool valid = is_supported_scalar_v<type>;
-};
-template <typename K>
-using kernel_scalar_t = typename kernel_scalar<K>::type;
-
-template <typename K, typename = void>
-struct has_kernel_size : std::false_type {};
-template <typename K>
-struct has_kernel_size<K, std::void_t<decltype(std::declval<const K&>().size())>>
-    : std::is_convertible<decltype(std::declval<const K&>().size()), Index> {};
-
-template <typename K, typename = void>
-struct has_kernel_diagonal : std::false_type {};
-template <typename K>
-struct has_kernel_diagonal<K, std::void_t<decltype(std::declval<const K&>().diagonal(
-                                  std::declval<Eigen::Ref<Vector<kernel_scalar_t<K>>>>()))>>
-    : std::true_type {};
-
-template <typename K, typename = void>
-struct has_kernel_rows : std::false_type {};
-template <typename K>
-struct has_kernel_rows<K, std::void_t<decltype(std::declval<const K&>().rows(
-                              std::declval<const std::vector<Index>&>(),
-                              std::declval<RowsRef<kernel_scalar_t<K>>>()))>> : std::true_type {};
-
-template <typename K, typename = void>
-struct has_sampling_weights : std::false_type {};
-template <typename K>
-struct has_sampling_weights<K, std::void_t<decltype(std::declval<const K&>().sampling_weights(
-                                   std::declval<Eigen::Ref<Vector<kernel_scalar_t<K>>>>()))>>
-    : std::true_type {};
-
-template <typename K, typename = void>
-struct has_principal_submatrix : std::false_type {};
-template <typename K>
-struct has_principal_submatrix<K, std::void_t<decltype(std::declval<const K&>().principal_submatrix(
-                                      std::declval<const std::vector<Index>&>(),
-                                      std::declval<Eigen::Ref<Matrix<kernel_scalar_t<K>>>>()))>>
-    : std::true_type {};
 
 /// Compile-time check of the Kernel concept with one readable message per missing piece.
 template <typename K>
@@ -272,12 +228,7 @@ constexpr Index kRpTile = 256;
 /// computed the same way on any thread, so results are bit-identical for any thread count.
 template <typename Body>
 void rp_for_tiles(Index tiles, Index rows, Body&& body) {
-  if (tiles > 1 && rows > 1) {
-    parallel_for(
-        tiles, [] { return 0; }, [&](Index t, int&) { body(t); });
-  } else {
-    for (Index t = 0; t < tiles; ++t) body(t);
-  }
+  parallel_for_if(rows > 1, tiles, std::forward<Body>(body));
 }
 
 /// Automatic proposal count of the next accelerated block. Deterministic (a function of counts
@@ -402,5 +353,191 @@ void rp_run_accelerated(const Kernel& kernel, RpWork<S>& st, Rng& rng, Index blo
   }
 }
 
+// ---- The point set of the provided kernels ----
+
+/// The unit-diagonal Gaussian G(y, z) = exp(-||y - z||^2 / 2) over points y_l = f (x_l - c)
+/// (f a scale, c the mean point: G is translation invariant and centring shrinks the norms, so
+/// the expanded form exp(<y, z> - |y|^2/2 - |z|^2/2) used for GEMM-shaped rows loses less to
+/// cancellation). The exponent is clamped at <= 0, so entries lie in [0, 1]. Points are stored
+/// as the columns of Z (d x m) in the selection scalar S.
+template <typename S>
+class GaussianCore {
+ public:
+  /// `Xs`: the m x d points already multiplied by f, in double.
+  void init(const Matrix<double>& Xs) {
+    const RowVector<double> mean = Xs.colwise().mean();
+    m_z = (Xs.rowwise() - mean).transpose().template cast<S>();
+    m_half_sq = (0.5 * m_z.template cast<double>().colwise().squaredNorm()).template cast<S>();
+  }
+  Index size() const noexcept { return m_z.cols(); }
+
+  /// out(j, :) = G(z_idx[j], Z): (a x d)(d x m) products by column tiles, a x m exponentials.
+  void rows(const std::vector<Index>& idx, RowsRef<S> out) const {
+    const auto a = static_cast<Index>(idx.size());
+    Matrix<S> za(m_z.rows(), a);
+    for (Index j = 0; j < a; ++j) za.col(j) = m_z.col(idx[static_cast<std::size_t>(j)]);
+    // Column tiles: each a x 256 tile is produced and exponentiated while it is in cache (one
+    // pass over the a x m output instead of three: zero-fill, GEMM, exp). A block of rows runs
+    // its tiles as one parallel loop; a single row (the sequential rules) stays serial.
+    const Index m = m_z.cols(), tiles = (m + kRpTile - 1) / kRpTile;
+    rp_for_tiles(tiles, a, [&](Index t) {
+      const Index c0 = t * kRpTile, w = std::min(kRpTile, m - c0);
+      auto tile = out.middleCols(c0, w);
+      tile.noalias() = za.transpose() * m_z.middleCols(c0, w);  // (a x d)(d x w)
+      for (Index j = 0; j < a; ++j)
+        tile.row(j).array() = (tile.row(j).array() - m_half_sq.segment(c0, w).array() -
+                               m_half_sq(idx[static_cast<std::size_t>(j)]))
+                                  .min(S(0))
+                                  .exp();
+    });
+  }
+
+  /// out = G(Z_idx, Z_idx) (column by column: contiguous, vectorised exponentials).
+  void principal_submatrix(const std::vector<Index>& idx, Eigen::Ref<Matrix<S>> out) const {
+    const auto b = static_cast<Index>(idx.size());
+    Matrix<S> zb(m_z.rows(), b);
+    Vector<S> hb(b);
+    for (Index j = 0; j < b; ++j) {
+      zb.col(j) = m_z.col(idx[static_cast<std::size_t>(j)]);
+      hb(j) = m_half_sq(idx[static_cast<std::size_t>(j)]);
+    }
+    out.noalias() = zb.transpose() * zb;
+    for (Index j = 0; j < b; ++j)
+      out.col(j).array() = (out.col(j).array() - hb.array() - hb(j)).min(S(0)).exp();
+  }
+
+ private:
+  Matrix<S> m_z;           // d x m centred, scaled points
+  RowVector<S> m_half_sq;  // ||z_l||^2 / 2
+};
+
+template <typename Scalar>
+void check_kernel_points(const ConstRef<Scalar>& X, const char* who) {
+  EFFATTN_CHECK(X.rows() > 0 && X.cols() > 0,
+                cat(who, ": X must be m x d with m, d >= 1; got X ", shape(X)));
+  check_finite(X, "X");
+}
+
 }  // namespace detail
+
+// ---- RpCholesky ----
+
+template <typename PivotRule>
+RpCholesky<PivotRule>::RpCholesky(Options opts) : m_opts(opts) {
+  EFFATTN_CHECK(m_opts.rank >= 1,
+                detail::cat("RpCholesky: Options::rank must be >= 1; got ", m_opts.rank));
+  EFFATTN_CHECK(
+      m_opts.rel_tol >= 0 && m_opts.rel_tol < 1,
+      detail::cat("RpCholesky: Options::rel_tol must be in [0, 1); got ", m_opts.rel_tol));
+  EFFATTN_CHECK(m_opts.block_size >= 0,
+                detail::cat("RpCholesky: Options::block_size must be >= 0 (0 = automatic); got ",
+                            m_opts.block_size));
+  EFFATTN_CHECK(std::isfinite(m_opts.roundoff_factor) && m_opts.roundoff_factor >= 0,
+                detail::cat("RpCholesky: Options::roundoff_factor must be finite and >= 0; got ",
+                            m_opts.roundoff_factor));
+}
+
+template <typename PivotRule>
+template <typename Kernel>
+RpCholeskyResult<detail::kernel_scalar_t<Kernel>> RpCholesky<PivotRule>::compute(
+    const Kernel& kernel) const {
+  detail::static_check_kernel<Kernel>();
+  using S = detail::kernel_scalar_t<Kernel>;
+  detail::RpWork<S> st;
+  st.m = static_cast<Index>(kernel.size());
+  EFFATTN_CHECK(st.m >= 1, detail::cat("RpCholesky: the kernel is empty (size ", st.m, ")"));
+  st.r = std::min(m_opts.rank, st.m);
+  st.rel_tol = m_opts.rel_tol;
+  st.res.resize(st.m);
+  kernel.diagonal(st.res);
+  EFFATTN_CHECK(st.res.allFinite() && (st.res.array() >= S(0)).all(),
+                "RpCholesky: Kernel::diagonal must be finite and >= 0");
+  if constexpr (detail::has_sampling_weights<Kernel>::value) {
+    st.w.resize(st.m);
+    kernel.sampling_weights(st.w);
+    EFFATTN_CHECK(st.w.allFinite() && (st.w.array() >= S(0)).all(),
+                  "RpCholesky: Kernel::sampling_weights must be finite and >= 0");
+  }
+  st.tol = static_cast<S>(m_opts.roundoff_factor *
+                          static_cast<double>(std::numeric_limits<S>::epsilon()) *
+                          static_cast<double>(st.res.maxCoeff()));
+  st.res = (st.res.array() > st.tol).select(st.res, S(0));
+  st.F.resize(st.r, st.m);
+  st.initial_trace = st.weighted_trace();
+  st.trace.push_back(st.initial_trace);
+
+  Rng rng = make_rng(m_opts.seed);
+  if constexpr (std::is_same_v<PivotRule, policy::RandomlyPivoted>)
+    detail::rp_run_sequential(kernel, st, rng);
+  else if constexpr (std::is_same_v<PivotRule, policy::GreedyPivoted>)
+    detail::rp_run_greedy(kernel, st);
+  else
+    detail::rp_run_accelerated(kernel, st, rng, m_opts.block_size);
+
+  RpCholeskyResult<S> out;
+  const Index k = st.k();
+  if (k == st.r)
+    out.factor = std::move(st.F);
+  else
+    out.factor = st.F.topRows(k);
+  out.pivots = std::move(st.pivots);
+  out.residual_diagonal = std::move(st.res);
+  out.residual_trace = std::move(st.trace);
+  out.initial_trace = st.initial_trace;
+  out.stop = st.stop;
+  out.info = st.broke_down ? Info::NumericalIssue : Info::Success;
+  out.proposals = st.proposals;
+  out.blocks = st.blocks;
+  return out;
+}
+
+// ---- ExpDotKernel ----
+
+template <typename InScalar, typename SelectionScalar>
+ExpDotKernel<InScalar, SelectionScalar>::ExpDotKernel(const ConstRef<InputScalar>& X,
+                                                      double scale) {
+  detail::check_kernel_points(X, "ExpDotKernel");
+  EFFATTN_CHECK(std::isfinite(scale) && scale > 0,
+                detail::cat("ExpDotKernel: scale must be finite and > 0; got ", scale));
+  const Matrix<double> Xs = X.template cast<double>() * std::sqrt(scale);
+  const Vector<double> sq = Xs.rowwise().squaredNorm();
+  m_log_scale = sq.maxCoeff();
+  m_half_sq = (0.5 * sq).template cast<Scalar>();
+  m_weights = (sq.array() - m_log_scale).exp().matrix().template cast<Scalar>();
+  m_core.init(Xs);
+}
+
+template <typename InScalar, typename SelectionScalar>
+RowMajorMatrix<SelectionScalar> ExpDotKernel<InScalar, SelectionScalar>::original_factor(
+    const RowMajorMatrix<Scalar>& F) const {
+  return F * m_half_sq.array().exp().matrix().asDiagonal();
+}
+
+template <typename InScalar, typename SelectionScalar>
+RowMajorMatrix<SelectionScalar> ExpDotKernel<InScalar, SelectionScalar>::original_weights(
+    const RowMajorMatrix<Scalar>& W, const std::vector<Index>& landmarks) const {
+  EFFATTN_CHECK(W.rows() == static_cast<Index>(landmarks.size()) && W.cols() == size(),
+                detail::cat("ExpDotKernel::original_weights: W must be |landmarks| x m = ",
+                            landmarks.size(), " x ", size(), "; got ", detail::shape(W)));
+  RowMajorMatrix<Scalar> out(W.rows(), W.cols());
+  for (Index i = 0; i < W.rows(); ++i) {
+    const Index s = landmarks[static_cast<std::size_t>(i)];
+    EFFATTN_CHECK(s >= 0 && s < size(), detail::cat("ExpDotKernel::original_weights: landmark ", s,
+                                                    " out of range [0, ", size(), ")"));
+    out.row(i).array() = W.row(i).array() * (m_half_sq.transpose().array() - m_half_sq(s)).exp();
+  }
+  return out;
+}
+
+// ---- GaussianKernel ----
+
+template <typename InScalar, typename SelectionScalar>
+GaussianKernel<InScalar, SelectionScalar>::GaussianKernel(const ConstRef<InputScalar>& X,
+                                                          double sigma) {
+  detail::check_kernel_points(X, "GaussianKernel");
+  EFFATTN_CHECK(std::isfinite(sigma) && sigma > 0,
+                detail::cat("GaussianKernel: sigma must be finite and > 0; got ", sigma));
+  m_core.init(X.template cast<double>() / sigma);
+}
+
 }  // namespace effattn

@@ -1,25 +1,86 @@
 /// \file wildcat_impl.hpp
-/// \brief Internals of effattn/wildcat.hpp: per-bin RPNys compression and the tiled weighted
-/// attention with its a-posteriori error bound. Not a public header.
+/// \brief Internals of effattn/wildcat.hpp: the eq. (12) temperature, per-bin RPNys compression,
+/// the tiled weighted attention with its a-posteriori error bound, and the out-of-class
+/// definitions of `WildcatAttention`, `CompressedKV::append` and the free functions. Not a public
+/// header.
 #pragma once
-
-#ifndef EFFATTN_WILDCAT_INTERNAL
-#error "Include effattn/wildcat.hpp instead of effattn/detail/wildcat_impl.hpp"
-#endif
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <limits>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
+#include "../core/checks.hpp"
+#include "../core/errors.hpp"
+#include "../core/parallel.hpp"
+#include "../core/random.hpp"
+#include "../core/types.hpp"
+#include "../numerics/lambert_w.hpp"
+#include "../numerics/nystrom.hpp"
+#include "../numerics/rp_cholesky.hpp"
+#include "../wildcat.hpp"
+
 namespace effattn {
+
+namespace wildcat {
+
+inline double rho0() {
+  return std::sqrt(1.0 + std::exp(lambert_w0(2.0 * std::exp(-2.0)) + 2.0));
+}
+
+inline double temperature_squared(double beta, double q_radius, double k_radius, Index m_bin) {
+  EFFATTN_CHECK(std::isfinite(beta) && beta > 0 && std::isfinite(q_radius) && q_radius >= 0 &&
+                    std::isfinite(k_radius) && k_radius >= 0 && m_bin >= 1,
+                detail::cat("wildcat::temperature_squared: need beta > 0, radii >= 0 (finite) and "
+                            "m_bin >= 1; got beta = ",
+                            beta, ", R_Q = ", q_radius, ", R_K = ", k_radius, ", m_bin = ", m_bin));
+  const double gamma = beta * q_radius * k_radius;
+  if (!(gamma > 0)) return 1.0;
+  const double b0 = std::log(static_cast<double>(m_bin)) / gamma + 2.0;
+  if (!std::isfinite(b0)) return 1.0;
+  const double rho = b0 / (2.0 * lambert_w0(b0 / (2.0 * rho0())));
+  return k_radius / q_radius * rho;
+}
+
+}  // namespace wildcat
+
 namespace detail {
 
-/// How the keys are cut into contiguous bins (spec 2.7 and pitfall 11): `full` bins of `base`
-/// keys, plus one remainder bin of m - full * base keys when that is not zero. Every bin gets
-/// `per_bin` = ceil(rank / bins) pivots (the remainder bin too), or all of its keys if it has no
-/// more than that (the exact path, w = 1).
+inline void check_wildcat_options(const WildcatOptions& o, const char* who) {
+  check_scale_option(o.scale, who);
+  EFFATTN_CHECK(o.rank >= 1, cat(who, ": Options::rank must be >= 1; got ", o.rank));
+  EFFATTN_CHECK(o.bins >= 1, cat(who, ": Options::bins must be >= 1; got ", o.bins));
+  EFFATTN_CHECK(o.rel_tol >= 0 && o.rel_tol < 1,
+                cat(who, ": Options::rel_tol must be in [0, 1); got ", o.rel_tol));
+  EFFATTN_CHECK(std::isfinite(o.q_radius) && o.q_radius >= 0,
+                cat(who, ": Options::q_radius must be finite and >= 0; got ", o.q_radius));
+  EFFATTN_CHECK(
+      std::isfinite(o.denominator_tol) && o.denominator_tol >= 0,
+      cat(who, ": Options::denominator_tol must be finite and >= 0; got ", o.denominator_tol));
+  EFFATTN_CHECK(o.block_size >= 0,
+                cat(who, ": Options::block_size must be >= 0 (0 = automatic); got ", o.block_size));
+  EFFATTN_CHECK(is_one_of(o.fallback, {wildcat::Fallback::Zero, wildcat::Fallback::Midpoint}),
+                cat(who, ": Options::fallback is not a valid enumerator"));
+}
+
+template <typename Scalar>
+void check_kv(const ConstRef<Scalar>& K, const ConstRef<Scalar>& V, const char* who) {
+  EFFATTN_CHECK(K.rows() > 0 && K.cols() > 0,
+                cat(who, ": K must be m x d with m, d >= 1; got K ", shape(K)));
+  EFFATTN_CHECK(V.rows() == K.rows() && V.cols() > 0,
+                cat(who, ": V must be m x dv with m = K.rows() = ", K.rows(),
+                    " and dv >= 1; got V ", shape(V)));
+  check_finite(K, "K");
+  check_finite(V, "V");
+}
+
+/// How the keys are cut into contiguous bins: `full` bins of `base` keys, plus one remainder bin
+/// of m - full * base keys when that is not zero. Every bin gets `per_bin` = ceil(rank / bins)
+/// pivots (the remainder bin too, so the coreset can exceed rank by one bin's budget), or all of
+/// its keys if it has no more than that (the exact path, w = 1).
 struct WildcatBins {
   Index full = 1, base = 0, rem = 0, per_bin = 1;
   Index count() const noexcept { return full + (rem > 0 ? 1 : 0); }
@@ -94,38 +155,20 @@ void wildcat_compress_bin(const Matrix<double>& Kc, const ConstRef<Scalar>& V, I
       ro.roundoff_factor * std::numeric_limits<double>::epsilon() * static_cast<double>(mb);
   blk.log_residual_trace = kern.log_trace_scale() + std::log(rpc.residual_trace.back() + zeroed);
   if (!out.ok) return;
-  // Nystrom weights W_G = A^{-1} F (A = F(:, S), upper triangular; spec 2.4) in the log-scaled
-  // form Wt(i, l) = W_G(i, l) exp(hs_l - c), ell_i = c - hs_{s_i} (spec 2.8: nothing overflows).
-  // Only Wt [V | 1] is needed, so it is formed as A^{-1} (F [diag(e) V | e]) with
-  // e_l = exp(hs_l - c) in (0, 1]: one (k x m)(m x (dv + 1)) GEMM and a k x (dv + 1)
-  // back-substitution instead of the O(k^2 m) solve for W itself (same triangular system).
-  const RowMajorMatrix<double>& F = rpc.factor;
-  Matrix<double> A(k, k);
-  for (Index j = 0; j < k; ++j) A.col(j) = F.col(rpc.pivots[static_cast<std::size_t>(j)]);
-  const Vector<double>& hs = kern.half_sq_norms();
-  const double c = hs.maxCoeff();
-  Matrix<double> Ve(mb, dv + 1);
-  Ve.col(dv) = (hs.array() - c).exp().matrix();
-  Ve.leftCols(dv) = Ve.col(dv).asDiagonal() * V.middleRows(k0, mb).template cast<double>();
-  // Row chunks of F inside one parallel region: each chunk is a serial GEMM whose blocking does
-  // not depend on the thread count (a threaded Eigen GEMM picks its k-blocking from the thread
-  // count, which changes the summation order and hence the bits).
-  Matrix<double> X(k, dv + 1);
-  constexpr Index kRows = 32;
-  parallel_for((k + kRows - 1) / kRows, [] { return 0; },
-               [&](Index t, int&) {
-                 const Index i0 = t * kRows, rows = std::min(kRows, k - i0);
-                 X.middleRows(i0, rows).noalias() = F.middleRows(i0, rows) * Ve;
-               });
-  A.template triangularView<Eigen::Upper>().solveInPlace(X);
-  out.values = X.leftCols(dv).template cast<Scalar>();
-  out.weights = X.col(dv).template cast<Scalar>();
-  out.log_scale.resize(k);
+  // Nystrom weights of h_tau (numerics/nystrom.hpp) in log-scaled form, applied to [V | 1]:
+  // rows Wt [V | 1] with Wt(i, l) = W_G(i, l) exp(hs_l - c) and log-scales ell_i = c - hs_{s_i},
+  // so nothing overflows whatever the logit range. Only these products are needed, so W itself
+  // is never formed: A^{-1} (F [diag(e) V | e]), one (k x m)(m x (dv + 1)) GEMM and a
+  // back-substitution instead of the O(k^2 m) solve for W.
+  const LogScaledProduct<double> nys =
+      exp_dot_log_scaled_product(kern, rpc, V.middleRows(k0, mb).template cast<double>());
+  out.values = nys.product.leftCols(dv).template cast<Scalar>();
+  out.weights = nys.product.col(dv).template cast<Scalar>();
+  out.log_scale = nys.log_scale.template cast<Scalar>();
   out.keys.resize(k, d);
   out.pivots.resize(static_cast<std::size_t>(k));
   for (Index i = 0; i < k; ++i) {
     const Index s = rpc.pivots[static_cast<std::size_t>(i)];
-    out.log_scale(i) = static_cast<Scalar>(c - hs(s));
     out.keys.row(i) = (Kbd.row(s) + shift).template cast<Scalar>();
     out.pivots[static_cast<std::size_t>(i)] = k0 + s;
   }
@@ -181,6 +224,27 @@ bool wildcat_compress(const Matrix<double>& Kc, const ConstRef<Scalar>& V, doubl
   return true;
 }
 
+/// Compresses K, V (original units) into a fresh CompressedKV whose keys live in the frame
+/// K - kbar + (add_back ? kbar : 0). q_radius < 0 means per-bin R_K.
+template <typename Rule, typename Scalar>
+bool wildcat_compress_all(const ConstRef<Scalar>& K, const ConstRef<Scalar>& V, double beta,
+                          double q_radius, const WildcatOptions& o, bool add_back,
+                          CompressedKV<Scalar>& ckv) {
+  const Index m = K.rows(), d = K.cols(), dv = V.cols();
+  const RowVector<double> kbar = K.template cast<double>().colwise().mean();
+  const Matrix<double> Kc = K.template cast<double>().rowwise() - kbar;
+  ckv = CompressedKV<Scalar>();
+  ckv.keys.resize(0, d);
+  ckv.values.resize(0, dv);
+  ckv.vmin = V.colwise().minCoeff();
+  ckv.vmax = V.colwise().maxCoeff();
+  const bool ok = wildcat_compress<Rule, Scalar>(
+      Kc, V, beta, q_radius, o, o.seed, add_back ? kbar : RowVector<double>::Zero(d), 0, ckv);
+  ckv.tokens = m;
+  ckv.tail_begin = ckv.size();
+  return ok;
+}
+
 /// Per-call state of the weighted attention (read-only in the parallel loop).
 template <typename Scalar>
 struct WtdContext {
@@ -214,7 +278,7 @@ struct WtdWorkspace {
         L(kWtdTile, ninexact) {}
 };
 
-/// Rows [i0, i0 + t) of the weighted attention (spec 2.8) and of the row error bounds.
+/// Rows [i0, i0 + t) of the weighted attention (paper Alg. 3) and of the row error bounds.
 template <typename Scalar>
 void wtd_tile(const WtdContext<Scalar>& cx, const ConstRef<Scalar>& Q, const WildcatOptions& o,
               Index i0, Index t, WtdWorkspace<Scalar>& ws, Matrix<Scalar>& out,
@@ -283,7 +347,7 @@ void wtd_tile(const WtdContext<Scalar>& cx, const ConstRef<Scalar>& Q, const Wil
   }
 }
 
-/// Weighted attention of Q over the rows of `ckv` (spec 2.8, WtdAttn) into `res`.
+/// Weighted attention of Q over the rows of `ckv` (paper Alg. 3, WtdAttn) into `res`.
 template <typename Scalar>
 void wildcat_attend(const ConstRef<Scalar>& Q, const CompressedKV<Scalar>& ckv, double beta,
                     const WildcatOptions& o, WildcatResult<Scalar>& res) {
@@ -344,4 +408,165 @@ void wildcat_attend(const ConstRef<Scalar>& Q, const CompressedKV<Scalar>& ckv, 
 }
 
 }  // namespace detail
+
+// ---- CompressedKV ----
+
+template <typename Scalar>
+void CompressedKV<Scalar>::append(const ConstRef<Scalar>& K, const ConstRef<Scalar>& V) {
+  EFFATTN_CHECK(K.rows() == V.rows() && K.cols() == keys.cols() && V.cols() == values.cols(),
+                detail::cat("CompressedKV::append: need K t x ", keys.cols(), " and V t x ",
+                            values.cols(), "; got K ", detail::shape(K), ", V ", detail::shape(V)));
+  detail::check_finite(K, "K");
+  detail::check_finite(V, "V");
+  const Index r = size(), t = K.rows();
+  keys.conservativeResize(r + t, Eigen::NoChange);
+  values.conservativeResize(r + t, Eigen::NoChange);
+  weights.conservativeResize(r + t);
+  log_scale.conservativeResize(r + t);
+  keys.bottomRows(t) = K;
+  values.bottomRows(t) = V;
+  weights.tail(t).setOnes();
+  log_scale.tail(t).setZero();
+  for (Index j = 0; j < t; ++j) pivots.push_back(tokens + j);
+  tokens += t;
+  if (t > 0) {
+    vmin = vmin.cwiseMin(V.colwise().minCoeff());
+    vmax = vmax.cwiseMax(V.colwise().maxCoeff());
+  }
+}
+
+// ---- WildcatAttention ----
+
+template <typename Scalar_, typename PivotRule>
+WildcatAttention<Scalar_, PivotRule>::WildcatAttention(Options opts) : m_opts(opts) {
+  detail::check_wildcat_options(m_opts, "WildcatAttention");
+}
+
+template <typename Scalar_, typename PivotRule>
+WildcatResult<Scalar_> WildcatAttention<Scalar_, PivotRule>::compute(const Ref& Q, const Ref& K,
+                                                                     const Ref& V) const {
+  detail::check_attention_inputs(Q, K, V, "WildcatAttention");
+  const double beta = detail::resolve_scale(m_opts.scale, Q.cols());
+  const double rq = m_opts.q_radius > 0
+                        ? m_opts.q_radius
+                        : std::sqrt(Q.template cast<double>().rowwise().squaredNorm().maxCoeff());
+  CompressedKV<Scalar> ckv;
+  Result res;
+  if (!detail::wildcat_compress_all<PivotRule, Scalar>(K, V, beta, rq, m_opts, false, ckv)) {
+    // NaN, not zeros: a zero row is finite and outside V's range, so it could pass for a result
+    // (found by fuzz_wildcat; regression test "WildCat reports a failed compression as NaN").
+    res.output =
+        Matrix<Scalar>::Constant(Q.rows(), V.cols(), std::numeric_limits<Scalar>::quiet_NaN());
+    res.info = Info::NumericalIssue;
+    return res;
+  }
+  detail::wildcat_attend<Scalar>(Q, ckv, beta, m_opts, res);
+  res.rank = ckv.size();
+  res.bins = static_cast<Index>(ckv.blocks.size());
+  res.pivots = std::move(ckv.pivots);
+  res.blocks = std::move(ckv.blocks);
+  return res;
+}
+
+template <typename Scalar_, typename PivotRule>
+CompressedKV<Scalar_> WildcatAttention<Scalar_, PivotRule>::compress_kv(const Ref& K, const Ref& V,
+                                                                        double q_radius) const {
+  EFFATTN_CHECK(std::isfinite(q_radius) && q_radius >= 0,
+                detail::cat("compress_kv: q_radius must be finite and >= 0; got ", q_radius));
+  detail::check_kv<Scalar>(K, V, "compress_kv");
+  const double beta = detail::resolve_scale(m_opts.scale, K.cols());
+  CompressedKV<Scalar> ckv;
+  if (!detail::wildcat_compress_all<PivotRule, Scalar>(K, V, beta, q_radius > 0 ? q_radius : -1,
+                                                       m_opts, true, ckv))
+    ckv = CompressedKV<Scalar>();
+  return ckv;
+}
+
+template <typename Scalar_, typename PivotRule>
+WildcatResult<Scalar_> WildcatAttention<Scalar_, PivotRule>::weighted_attention(
+    const Ref& Q, const CompressedKV<Scalar>& ckv) const {
+  EFFATTN_CHECK(ckv.size() > 0, "weighted_attention: the compressed cache is empty");
+  EFFATTN_CHECK(Q.rows() > 0 && Q.cols() == ckv.keys.cols(),
+                detail::cat("weighted_attention: Q must be n x d with n >= 1 and d = ",
+                            ckv.keys.cols(), "; got Q ", detail::shape(Q)));
+  detail::check_finite(Q, "Q");
+  Result res;
+  detail::wildcat_attend<Scalar>(Q, ckv, detail::resolve_scale(m_opts.scale, Q.cols()), m_opts,
+                                 res);
+  res.pivots = ckv.pivots;
+  res.rank = ckv.size();
+  res.bins = static_cast<Index>(ckv.blocks.size());
+  res.blocks = ckv.blocks;
+  return res;
+}
+
+template <typename Scalar_, typename PivotRule>
+bool WildcatAttention<Scalar_, PivotRule>::recompress_tail(CompressedKV<Scalar>& ckv,
+                                                           double q_radius) const {
+  EFFATTN_CHECK(std::isfinite(q_radius) && q_radius >= 0,
+                detail::cat("recompress_tail: q_radius must be finite and >= 0; got ", q_radius));
+  const Index t = ckv.tail_size();
+  if (t == 0) return true;
+  const Index t0 = ckv.tail_begin, d = ckv.keys.cols();
+  const Matrix<Scalar> Vt = ckv.values.bottomRows(t);
+  const RowVector<double> kbar = ckv.keys.bottomRows(t).template cast<double>().colwise().mean();
+  const Matrix<double> Kc = ckv.keys.bottomRows(t).template cast<double>().rowwise() - kbar;
+  const Index first = ckv.pivots[static_cast<std::size_t>(t0)];
+  CompressedKV<Scalar> piece;
+  piece.keys.resize(0, d);
+  piece.values.resize(0, Vt.cols());
+  const std::uint64_t seed = derive_seed(m_opts.seed, 0x7a11ULL + ckv.blocks.size());
+  if (!detail::wildcat_compress<PivotRule, Scalar>(Kc, Vt, detail::resolve_scale(m_opts.scale, d),
+                                                   q_radius > 0 ? q_radius : -1, m_opts, seed, kbar,
+                                                   first, piece))
+    return false;
+  const Index k = piece.size();
+  ckv.keys.conservativeResize(t0 + k, Eigen::NoChange);
+  ckv.values.conservativeResize(t0 + k, Eigen::NoChange);
+  ckv.weights.conservativeResize(t0 + k);
+  ckv.log_scale.conservativeResize(t0 + k);
+  ckv.keys.bottomRows(k) = piece.keys;
+  ckv.values.bottomRows(k) = piece.values;
+  ckv.weights.tail(k) = piece.weights;
+  ckv.log_scale.tail(k) = piece.log_scale;
+  ckv.pivots.resize(static_cast<std::size_t>(t0));
+  ckv.pivots.insert(ckv.pivots.end(), piece.pivots.begin(), piece.pivots.end());
+  for (WildcatBlock& b : piece.blocks) {
+    b.row_begin += t0;
+    ckv.blocks.push_back(std::move(b));
+  }
+  ckv.tail_begin = ckv.size();
+  return true;
+}
+
+// ---- Free functions ----
+
+template <typename PivotRule, typename DK, typename DV>
+CompressedKV<typename DK::Scalar> compress_kv(const Eigen::MatrixBase<DK>& K,
+                                              const Eigen::MatrixBase<DV>& V, double q_radius,
+                                              const WildcatOptions& opts) {
+  using Scalar = typename DK::Scalar;
+  static_assert(
+      detail::is_supported_scalar_v<Scalar> && std::is_same_v<Scalar, typename DV::Scalar>,
+      "effattn: compress_kv needs K and V of the same scalar, float or double");
+  detail::check_wildcat_options(opts, "compress_kv");
+  return WildcatAttention<Scalar, PivotRule>(opts).compress_kv(ConstRef<Scalar>(K),
+                                                               ConstRef<Scalar>(V), q_radius);
+}
+
+template <typename PivotRule, typename Scalar>
+bool recompress_tail(CompressedKV<Scalar>& ckv, double q_radius, const WildcatOptions& opts) {
+  detail::check_wildcat_options(opts, "recompress_tail");
+  return WildcatAttention<Scalar, PivotRule>(opts).recompress_tail(ckv, q_radius);
+}
+
+template <typename DQ>
+WildcatResult<typename DQ::Scalar> weighted_attention(const Eigen::MatrixBase<DQ>& Q,
+                                                      const CompressedKV<typename DQ::Scalar>& ckv,
+                                                      const WildcatOptions& opts) {
+  using Scalar = typename DQ::Scalar;
+  detail::check_wildcat_options(opts, "weighted_attention");
+  return WildcatAttention<Scalar>(opts).weighted_attention(ConstRef<Scalar>(Q), ckv);
+}
+
 }  // namespace effattn

@@ -107,13 +107,61 @@ struct RpCholeskyResult {
   }
 };
 
-}  // namespace effattn
+namespace detail {
+// ---- The Kernel concept (documented at RpCholesky) ----
+/// The selection scalar `K::Scalar` of a kernel type (`valid` when it is float or double).
+template <typename K, typename = void>
+struct kernel_scalar {
+  using type = double;
+  static constexpr bool valid = false;
+};
+template <typename K>
+struct kernel_scalar<K, std::void_t<typename K::Scalar>> {
+  using type = typename K::Scalar;
+  static constexpr bool valid = is_supported_scalar_v<type>;
+};
+template <typename K>
+using kernel_scalar_t = typename kernel_scalar<K>::type;
 
-#define EFFATTN_RP_CHOLESKY_INTERNAL
-#include "../detail/rp_cholesky_impl.hpp"
-#undef EFFATTN_RP_CHOLESKY_INTERNAL
+template <typename K, typename = void>
+struct has_kernel_size : std::false_type {};
+template <typename K>
+struct has_kernel_size<K, std::void_t<decltype(std::declval<const K&>().size())>>
+    : std::is_convertible<decltype(std::declval<const K&>().size()), Index> {};
 
-namespace effattn {
+template <typename K, typename = void>
+struct has_kernel_diagonal : std::false_type {};
+template <typename K>
+struct has_kernel_diagonal<K, std::void_t<decltype(std::declval<const K&>().diagonal(
+                                  std::declval<Eigen::Ref<Vector<kernel_scalar_t<K>>>>()))>>
+    : std::true_type {};
+
+template <typename K, typename = void>
+struct has_kernel_rows : std::false_type {};
+template <typename K>
+struct has_kernel_rows<K, std::void_t<decltype(std::declval<const K&>().rows(
+                              std::declval<const std::vector<Index>&>(),
+                              std::declval<RowsRef<kernel_scalar_t<K>>>()))>> : std::true_type {};
+
+template <typename K, typename = void>
+struct has_sampling_weights : std::false_type {};
+template <typename K>
+struct has_sampling_weights<K, std::void_t<decltype(std::declval<const K&>().sampling_weights(
+                                   std::declval<Eigen::Ref<Vector<kernel_scalar_t<K>>>>()))>>
+    : std::true_type {};
+
+template <typename K, typename = void>
+struct has_principal_submatrix : std::false_type {};
+template <typename K>
+struct has_principal_submatrix<K, std::void_t<decltype(std::declval<const K&>().principal_submatrix(
+                                      std::declval<const std::vector<Index>&>(),
+                                      std::declval<Eigen::Ref<Matrix<kernel_scalar_t<K>>>>()))>>
+    : std::true_type {};
+
+/// Points of the Gaussian-coordinate kernels (defined in detail/rp_cholesky_impl.hpp).
+template <typename S>
+class GaussianCore;
+}  // namespace detail
 
 /// True when `K` models the RPCholesky Kernel concept (see `RpCholesky`).
 template <typename K>
@@ -170,9 +218,9 @@ constexpr bool is_rp_kernel_v = (detail::kernel_scalar<K>::valid) &&
 /// thread count (tested for 1 and 2).
 template <typename PivotRule = policy::RandomlyPivoted>
 class RpCholesky {
-  static_assert(std::is_same<PivotRule, policy::RandomlyPivoted>::value ||
-                    std::is_same<PivotRule, policy::AcceleratedRandomlyPivoted>::value ||
-                    std::is_same<PivotRule, policy::GreedyPivoted>::value,
+  static_assert(std::is_same_v<PivotRule, policy::RandomlyPivoted> ||
+                    std::is_same_v<PivotRule, policy::AcceleratedRandomlyPivoted> ||
+                    std::is_same_v<PivotRule, policy::GreedyPivoted>,
                 "effattn: RpCholesky PivotRule must be policy::RandomlyPivoted, "
                 "policy::AcceleratedRandomlyPivoted or policy::GreedyPivoted");
 
@@ -181,75 +229,15 @@ class RpCholesky {
 
   /// \throws effattn::invalid_argument if rank < 1, rel_tol is not in [0, 1), block_size < 0 or
   ///         roundoff_factor is negative or non-finite.
-  explicit RpCholesky(Options opts = {}) : m_opts(opts) {
-    EFFATTN_CHECK(m_opts.rank >= 1,
-                  detail::cat("RpCholesky: Options::rank must be >= 1; got ", m_opts.rank));
-    EFFATTN_CHECK(
-        m_opts.rel_tol >= 0 && m_opts.rel_tol < 1,
-        detail::cat("RpCholesky: Options::rel_tol must be in [0, 1); got ", m_opts.rel_tol));
-    EFFATTN_CHECK(m_opts.block_size >= 0,
-                  detail::cat("RpCholesky: Options::block_size must be >= 0 (0 = automatic); got ",
-                              m_opts.block_size));
-    EFFATTN_CHECK(std::isfinite(m_opts.roundoff_factor) && m_opts.roundoff_factor >= 0,
-                  detail::cat("RpCholesky: Options::roundoff_factor must be finite and >= 0; got ",
-                              m_opts.roundoff_factor));
-  }
+  explicit RpCholesky(Options opts = {});
 
-  /// Factorises the kernel matrix of `kernel` (see the Kernel concept).
+  /// Factorises the kernel matrix of `kernel` (see the Kernel concept). Only the arm of the
+  /// chosen pivot rule is instantiated.
   /// \throws effattn::invalid_argument if the kernel is empty or its diagonal (or a sampling
   ///         weight) is negative or non-finite.
   template <typename Kernel>
   [[nodiscard]] RpCholeskyResult<detail::kernel_scalar_t<Kernel>> compute(
-      const Kernel& kernel) const {
-    detail::static_check_kernel<Kernel>();
-    using S = detail::kernel_scalar_t<Kernel>;
-    detail::RpWork<S> st;
-    st.m = static_cast<Index>(kernel.size());
-    EFFATTN_CHECK(st.m >= 1, detail::cat("RpCholesky: the kernel is empty (size ", st.m, ")"));
-    st.r = std::min(m_opts.rank, st.m);
-    st.rel_tol = m_opts.rel_tol;
-    st.res.resize(st.m);
-    kernel.diagonal(st.res);
-    EFFATTN_CHECK(st.res.allFinite() && (st.res.array() >= S(0)).all(),
-                  "RpCholesky: Kernel::diagonal must be finite and >= 0");
-    if constexpr (detail::has_sampling_weights<Kernel>::value) {
-      st.w.resize(st.m);
-      kernel.sampling_weights(st.w);
-      EFFATTN_CHECK(st.w.allFinite() && (st.w.array() >= S(0)).all(),
-                    "RpCholesky: Kernel::sampling_weights must be finite and >= 0");
-    }
-    st.tol =
-        static_cast<S>(m_opts.roundoff_factor * static_cast<double>(std::numeric_limits<S>::epsilon()) *
-                       static_cast<double>(st.res.maxCoeff()));
-    st.res = (st.res.array() > st.tol).select(st.res, S(0));
-    st.F.resize(st.r, st.m);
-    st.initial_trace = st.weighted_trace();
-    st.trace.push_back(st.initial_trace);
-
-    Rng rng = make_rng(m_opts.seed);
-    if constexpr (std::is_same<PivotRule, policy::RandomlyPivoted>::value)
-      detail::rp_run_sequential(kernel, st, rng);
-    else if constexpr (std::is_same<PivotRule, policy::GreedyPivoted>::value)
-      detail::rp_run_greedy(kernel, st);
-    else
-      detail::rp_run_accelerated(kernel, st, rng, m_opts.block_size);
-
-    RpCholeskyResult<S> out;
-    const Index k = st.k();
-    if (k == st.r)
-      out.factor = std::move(st.F);
-    else
-      out.factor = st.F.topRows(k);
-    out.pivots = std::move(st.pivots);
-    out.residual_diagonal = std::move(st.res);
-    out.residual_trace = std::move(st.trace);
-    out.initial_trace = st.initial_trace;
-    out.stop = st.stop;
-    out.info = st.broke_down ? Info::NumericalIssue : Info::Success;
-    out.proposals = st.proposals;
-    out.blocks = st.blocks;
-    return out;
-  }
+      const Kernel& kernel) const;
 
   /// The options this functor was built with.
   const Options& options() const noexcept { return m_opts; }
@@ -260,77 +248,15 @@ class RpCholesky {
 
 // ------------------------------------------------------------------------------------------
 // Kernels.
-namespace detail {
-/// The unit-diagonal Gaussian G(y, z) = exp(-||y - z||^2 / 2) over points y_l = f (x_l - c)
-/// (f a scale, c the mean point: G is translation invariant and centring shrinks the norms, so
-/// the expanded form exp(<y, z> - |y|^2/2 - |z|^2/2) used for GEMM-shaped rows loses less to
-/// cancellation). The exponent is clamped at <= 0, so entries lie in [0, 1]. Points are stored
-/// as the columns of Z (d x m) in the selection scalar S.
-template <typename S>
-class GaussianCore {
- public:
-  /// `Xs`: the m x d points already multiplied by f, in double.
-  void init(const Matrix<double>& Xs) {
-    const RowVector<double> mean = Xs.colwise().mean();
-    m_z = (Xs.rowwise() - mean).transpose().template cast<S>();
-    m_half_sq = (0.5 * m_z.template cast<double>().colwise().squaredNorm()).template cast<S>();
-  }
-  Index size() const noexcept { return m_z.cols(); }
-  /// out(j, :) = G(z_idx[j], Z): (a x d)(d x m) products by column tiles, a x m exponentials.
-  void rows(const std::vector<Index>& idx, RowsRef<S> out) const {
-    const auto a = static_cast<Index>(idx.size());
-    Matrix<S> za(m_z.rows(), a);
-    for (Index j = 0; j < a; ++j) za.col(j) = m_z.col(idx[static_cast<std::size_t>(j)]);
-    // Column tiles: each a x 256 tile is produced and exponentiated while it is in cache (one
-    // pass over the a x m output instead of three: zero-fill, GEMM, exp). A block of rows runs
-    // its tiles as one parallel loop; a single row (the sequential rules) stays serial.
-    const Index m = m_z.cols(), tiles = (m + kRpTile - 1) / kRpTile;
-    rp_for_tiles(tiles, a, [&](Index t) {
-      const Index c0 = t * kRpTile, w = std::min(kRpTile, m - c0);
-      auto tile = out.middleCols(c0, w);
-      tile.noalias() = za.transpose() * m_z.middleCols(c0, w);  // (a x d)(d x w)
-      for (Index j = 0; j < a; ++j)
-        tile.row(j).array() = (tile.row(j).array() - m_half_sq.segment(c0, w).array() -
-                               m_half_sq(idx[static_cast<std::size_t>(j)]))
-                                  .min(S(0))
-                                  .exp();
-    });
-  }
-
-  /// out = G(Z_idx, Z_idx) (column by column: contiguous, vectorised exponentials).
-  void principal_submatrix(const std::vector<Index>& idx, Eigen::Ref<Matrix<S>> out) const {
-    const auto b = static_cast<Index>(idx.size());
-    Matrix<S> zb(m_z.rows(), b);
-    Vector<S> hb(b);
-    for (Index j = 0; j < b; ++j) {
-      zb.col(j) = m_z.col(idx[static_cast<std::size_t>(j)]);
-      hb(j) = m_half_sq(idx[static_cast<std::size_t>(j)]);
-    }
-    out.noalias() = zb.transpose() * zb;
-    for (Index j = 0; j < b; ++j)
-      out.col(j).array() = (out.col(j).array() - hb.array() - hb(j)).min(S(0)).exp();
-  }
-
- private:
-  Matrix<S> m_z;           // d x m centred, scaled points
-  RowVector<S> m_half_sq;  // ||z_l||^2 / 2
-};
-
-template <typename Scalar>
-void check_kernel_points(const ConstRef<Scalar>& X, const char* who) {
-  EFFATTN_CHECK(X.rows() > 0 && X.cols() > 0,
-                cat(who, ": X must be m x d with m, d >= 1; got X ", shape(X)));
-  check_finite(X, "X");
-}
-}  // namespace detail
 
 /// \brief The exponential dot-product kernel H(x, y) = exp(s <x, y>) (s > 0), evaluated in
-/// Gaussian coordinates so that nothing overflows (WildCat spec 2.4).
+/// Gaussian coordinates so that nothing overflows.
 ///
 /// With x' = sqrt(s) x, sq_l = ||x'_l||^2 and D = diag(exp(sq / 2)),
 /// \f[ H = D\,G\,D, \qquad G(x, y) = \exp(-\|x' - y'\|^2 / 2) \in [0, 1],\ G_{ll} = 1. \f]
-/// This kernel presents G to RPCholesky (`Scalar` = SelectionScalar) together with the sampling
-/// weights w_l = exp(sq_l - max sq) in (0, 1]. Because res_H(l) = exp(sq_l) res_G(l), sampling
+/// H's entries overflow once s <x, y> exceeds ~709, G's never do. This kernel presents G to
+/// RPCholesky (`Scalar` = SelectionScalar) together with the sampling weights
+/// w_l = exp(sq_l - max sq) in (0, 1]. Because res_H(l) = exp(sq_l) res_G(l), sampling
 /// proportionally to w_l res_G(l) is exactly RPCholesky on H, and the pivot sequences (and greedy
 /// pivots) coincide; exp(sq) itself is never formed. Recovering H's quantities:
 /// - factor: F_H = F_G D, i.e. F_H(i, l) = F_G(i, l) exp(sq_l / 2) (`original_factor`);
@@ -339,12 +265,15 @@ void check_kernel_points(const ConstRef<Scalar>& X, const char* who) {
 ///   traces (and `rel_tol`) are those of H;
 /// - Nystrom weights: W_H(i, l) = W_G(i, l) exp((sq_l - sq_{s_i}) / 2) (`original_weights`).
 /// The rescaled quantities overflow when sq / 2 exceeds the exponent range; callers that need
-/// robustness keep W_G and the log-scales sq / 2 (`half_sq_norms`) separately (WildCat spec 2.8).
+/// robustness keep W_G and the log-scales sq / 2 (`half_sq_norms`) separately, as the log-scaled
+/// forms of numerics/nystrom.hpp do (`exp_dot_log_scaled_weights`, `exp_dot_log_scaled_product`).
 ///
 /// The points are copied once into SelectionScalar (scaled, centred, d x m): O(m d) memory; X
 /// need not outlive the kernel. A kernel row costs O(m d) (one GEMV), a block of a rows one GEMM.
 /// \tparam InScalar float or double (the input type). \tparam SelectionScalar the arithmetic type
-///         of RPCholesky (double by default, also for float inputs: see WildCat spec 5.3 (g)).
+///         of RPCholesky: double by default, also for float inputs, because residuals below
+///         roundoff_factor * eps(SelectionScalar) count as zero, which in float (1.2e-5 of the
+///         unit diagonal) stops the factorisation long before the accuracy double reaches.
 template <typename InScalar, typename SelectionScalar = double>
 class ExpDotKernel {
   static_assert(detail::is_supported_scalar_v<InScalar> &&
@@ -357,17 +286,7 @@ class ExpDotKernel {
 
   /// \param X the m x d points (rows). \param scale s > 0 (e.g. 1 / sqrt(d)).
   /// \throws effattn::invalid_argument if X is empty or non-finite, or scale is not finite > 0.
-  ExpDotKernel(const ConstRef<InputScalar>& X, double scale) {
-    detail::check_kernel_points(X, "ExpDotKernel");
-    EFFATTN_CHECK(std::isfinite(scale) && scale > 0,
-                  detail::cat("ExpDotKernel: scale must be finite and > 0; got ", scale));
-    const Matrix<double> Xs = X.template cast<double>() * std::sqrt(scale);
-    const Vector<double> sq = Xs.rowwise().squaredNorm();
-    m_log_scale = sq.maxCoeff();
-    m_half_sq = (0.5 * sq).template cast<Scalar>();
-    m_weights = (sq.array() - m_log_scale).exp().matrix().template cast<Scalar>();
-    m_core.init(Xs);
-  }
+  ExpDotKernel(const ConstRef<InputScalar>& X, double scale);
 
   /// m, the number of points.
   Index size() const noexcept { return m_core.size(); }
@@ -388,26 +307,12 @@ class ExpDotKernel {
   double log_trace_scale() const noexcept { return m_log_scale; }
 
   /// F_H = F_G D (k x m): a factor of H from a factor of G. Overflows to inf if sq / 2 does.
-  RowMajorMatrix<Scalar> original_factor(const RowMajorMatrix<Scalar>& F) const {
-    return F * m_half_sq.array().exp().matrix().asDiagonal();
-  }
+  RowMajorMatrix<Scalar> original_factor(const RowMajorMatrix<Scalar>& F) const;
   /// W_H(i, l) = W_G(i, l) exp((sq_l - sq_{s_i}) / 2): Nystrom weights of H from those of G for
   /// landmarks s_i (W_G: r x m, e.g. from `nystrom_weights`).
   /// \throws effattn::invalid_argument on a shape mismatch or a landmark out of range.
   RowMajorMatrix<Scalar> original_weights(const RowMajorMatrix<Scalar>& W,
-                                          const std::vector<Index>& landmarks) const {
-    EFFATTN_CHECK(W.rows() == static_cast<Index>(landmarks.size()) && W.cols() == size(),
-                  detail::cat("ExpDotKernel::original_weights: W must be |landmarks| x m = ",
-                              landmarks.size(), " x ", size(), "; got ", detail::shape(W)));
-    RowMajorMatrix<Scalar> out(W.rows(), W.cols());
-    for (Index i = 0; i < W.rows(); ++i) {
-      const Index s = landmarks[static_cast<std::size_t>(i)];
-      EFFATTN_CHECK(s >= 0 && s < size(), detail::cat("ExpDotKernel::original_weights: landmark ",
-                                                      s, " out of range [0, ", size(), ")"));
-      out.row(i).array() = W.row(i).array() * (m_half_sq.transpose().array() - m_half_sq(s)).exp();
-    }
-    return out;
-  }
+                                          const std::vector<Index>& landmarks) const;
 
  private:
   detail::GaussianCore<Scalar> m_core;
@@ -433,12 +338,7 @@ class GaussianKernel {
 
   /// \param X the m x d points (rows). \param sigma the bandwidth, > 0.
   /// \throws effattn::invalid_argument if X is empty or non-finite, or sigma is not finite > 0.
-  GaussianKernel(const ConstRef<InputScalar>& X, double sigma) {
-    detail::check_kernel_points(X, "GaussianKernel");
-    EFFATTN_CHECK(std::isfinite(sigma) && sigma > 0,
-                  detail::cat("GaussianKernel: sigma must be finite and > 0; got ", sigma));
-    m_core.init(X.template cast<double>() / sigma);
-  }
+  GaussianKernel(const ConstRef<InputScalar>& X, double sigma);
 
   /// m, the number of points.
   Index size() const noexcept { return m_core.size(); }
@@ -472,3 +372,5 @@ template <typename PivotRule = policy::RandomlyPivoted, typename Kernel>
 }
 
 }  // namespace effattn
+
+#include "../detail/rp_cholesky_impl.hpp"
