@@ -15,14 +15,14 @@ template struct effattn::workloads::Workload<float>;
 template struct effattn::workloads::Workload<double>;
 template class effattn::VccAttention<float>;
 template class effattn::VccAttention<double>;
-template class effattn::VccAttention<double, effattn::vcc::BestFirstDyadic, effattn::vcc::SumExp,
-                                     effattn::vcc::ExactQuery>;
+template class effattn::VccAttention<double, effattn::policy::BestFirstDyadic,
+                                     effattn::policy::SumExp, effattn::policy::ExactQuery>;
 template class effattn::VccTree<float>;
 template class effattn::VccTree<double>;
 template class effattn::EvaAttention<float>;
 template class effattn::EvaAttention<double>;
-template class effattn::EvaAttention<float, effattn::policy::RandomFeatures>;
-template class effattn::EvaAttention<double, effattn::policy::RandomFeatures>;
+template class effattn::PerformerAttention<float>;
+template class effattn::PerformerAttention<double>;
 template class effattn::RpCholesky<effattn::policy::RandomlyPivoted>;
 template class effattn::RpCholesky<effattn::policy::AcceleratedRandomlyPivoted>;
 template class effattn::RpCholesky<effattn::policy::GreedyPivoted>;
@@ -37,8 +37,8 @@ template struct effattn::NystromResult<double>;
 template class effattn::ConvBasisAttention<float>;
 template class effattn::ConvBasisAttention<double>;
 template class effattn::ConvBasisAttention<double, effattn::fft::EigenFft,
-                                           effattn::conv_basis::BinarySearch>;
-template class effattn::ConvBasisAttention<float, effattn::fft::Default, effattn::conv_basis::Grid,
+                                           effattn::policy::BinarySearch>;
+template class effattn::ConvBasisAttention<float, effattn::fft::Default, effattn::policy::Grid,
                                            float>;
 template class effattn::WildcatAttention<float>;
 template class effattn::WildcatAttention<double>;
@@ -47,16 +47,23 @@ template struct effattn::CompressedKV<float>;
 template struct effattn::CompressedKV<double>;
 template class effattn::KepSvgpAttention<float>;
 template class effattn::KepSvgpAttention<double>;
-template class effattn::KepSvgpAttention<double, effattn::kepsvgp::SoftmaxRowKernel,
-                                         effattn::kepsvgp::Dense, effattn::kepsvgp::Addition>;
-template class effattn::KepSvgpAttention<float, effattn::kepsvgp::CosineKernel,
-                                         effattn::kepsvgp::Factorized,
-                                         effattn::kepsvgp::Concatenation>;
+template class effattn::KepSvgpAttention<double, effattn::policy::SoftmaxRowKernel,
+                                         effattn::policy::DenseSvd, effattn::policy::Addition>;
+template class effattn::KepSvgpAttention<float, effattn::policy::CosineKernel,
+                                         effattn::policy::FactorizedSvd,
+                                         effattn::policy::Concatenation>;
 template class effattn::fft::CausalConv<float>;
 template class effattn::fft::CausalConv<double>;
 template class effattn::fft::CausalConv<float, effattn::fft::EigenFft, float>;
 
 TEST_CASE("Every public class template instantiates for float and double", "[instantiate]") {
+  // Every functor of the method list models the concept of core/concept.hpp.
+  effattn::for_each_method<float>([](auto tag) {
+    STATIC_REQUIRE(effattn::is_attention_functor_v<typename decltype(tag)::type>);
+  });
+  effattn::for_each_method<double>([](auto tag) {
+    STATIC_REQUIRE(effattn::is_attention_functor_v<typename decltype(tag)::type>);
+  });
   // The umbrella header compiled and the explicit instantiations above linked; check that the
   // aliases name the intended types.
   STATIC_REQUIRE(std::is_same<effattn::ExactAttentionf, effattn::ExactAttention<float>>::value);

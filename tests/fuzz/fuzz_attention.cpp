@@ -145,7 +145,8 @@ struct Input {
 };
 
 /// How the input bytes become options, one specialization per functor of effattn::MethodList
-/// (a functor of the list without one does not compile here). `id` names the fuzz target.
+/// (a functor of the list without one does not compile here). `id` names the fuzz target;
+/// `run` may read more bytes from `b` (VCC: its VIP rows).
 template <typename F>
 struct FuzzConfig;
 
@@ -153,7 +154,7 @@ template <typename S>
 struct FuzzConfig<ExactAttention<S>> {
   static constexpr const char* id = "exact";
   template <typename Policy = policy::Tiled>
-  static void run(const Input<S>& in) {
+  static void run(const Input<S>& in, Bytes&) {
     ExactOptions o;
     o.scale = in.scale;
     o.causal = in.causal;
@@ -166,15 +167,15 @@ struct FuzzConfig<ExactAttention<S>> {
 template <typename S>
 struct FuzzConfig<ExactAttention<S, policy::Naive>> {
   static constexpr const char* id = "naive";
-  static void run(const Input<S>& in) {
-    FuzzConfig<ExactAttention<S>>::template run<policy::Naive>(in);
+  static void run(const Input<S>& in, Bytes& b) {
+    FuzzConfig<ExactAttention<S>>::template run<policy::Naive>(in, b);
   }
 };
 
 template <typename S>
 struct FuzzConfig<EvaAttention<S>> {
   static constexpr const char* id = "eva";
-  static void run(const Input<S>& in) {
+  static void run(const Input<S>& in, Bytes&) {
     EvaOptions o;
     o.scale = in.scale;
     o.seed = in.opt2;
@@ -193,7 +194,7 @@ struct FuzzConfig<EvaAttention<S>> {
 template <typename S>
 struct FuzzConfig<PerformerAttention<S>> {
   static constexpr const char* id = "performer";
-  static void run(const Input<S>& in) {
+  static void run(const Input<S>& in, Bytes&) {
     typename PerformerAttention<S>::Options o;
     o.scale = in.scale;
     o.seed = in.opt2;
@@ -224,7 +225,7 @@ struct FuzzConfig<VccAttention<S>> {
 template <typename S>
 struct FuzzConfig<ConvBasisAttention<S>> {
   static constexpr const char* id = "conv_basis";
-  static void run(const Input<S>& in) {
+  static void run(const Input<S>& in, Bytes&) {
     typename ConvBasisAttention<S>::Options o;
     o.scale = in.scale;
     o.num_bases = 1 + (in.opt2 & 15);
@@ -239,7 +240,7 @@ struct FuzzConfig<ConvBasisAttention<S>> {
 template <typename S>
 struct FuzzConfig<WildcatAttention<S>> {
   static constexpr const char* id = "wildcat";
-  static void run(const Input<S>& in) {
+  static void run(const Input<S>& in, Bytes&) {
     WildcatOptions o;
     o.scale = in.scale;
     o.rank = in.opt2 & 15;  // 0 must throw
@@ -254,7 +255,7 @@ struct FuzzConfig<WildcatAttention<S>> {
 template <typename S>
 struct FuzzConfig<KepSvgpAttention<S>> {
   static constexpr const char* id = "kep_svgp";
-  static void run(const Input<S>& in) {
+  static void run(const Input<S>& in, Bytes&) {
     KepSvgpOptions o;
     o.scale = in.scale;
     o.rank = in.opt2 & 15;  // 0 must throw
@@ -289,10 +290,7 @@ void run(Bytes& b) {
     for_each_method<Scalar>([&](auto tag) {
       using C = FuzzConfig<typename decltype(tag)::type>;
       if (selected() != C::id) return;
-      if constexpr (std::is_invocable_v<decltype(&C::run), const Input<Scalar>&, Bytes&>)
-        C::run(in, b);
-      else
-        C::run(in);
+      C::run(in, b);
     });
   } catch (const effattn::invalid_argument&) {
     // Documented: bad shapes, non-finite inputs, bad options.
