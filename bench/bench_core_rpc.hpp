@@ -24,9 +24,12 @@ namespace bench {
 
 template <typename Rule>
 const char* rpc_rule_name() {
-  if (std::is_same<Rule, policy::RandomlyPivoted>::value) return "seq";
-  if (std::is_same<Rule, policy::AcceleratedRandomlyPivoted>::value) return "acc";
-  return "greedy";
+  if constexpr (std::is_same_v<Rule, policy::RandomlyPivoted>)
+    return "seq";
+  else if constexpr (std::is_same_v<Rule, policy::AcceleratedRandomlyPivoted>)
+    return "acc";
+  else
+    return "greedy";
 }
 
 template <typename Rule>

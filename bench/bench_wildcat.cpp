@@ -4,12 +4,14 @@
 // Names:  exact/tiled/float/d64/<n>
 //         wildcat/float/d64/r<rank>/B<bins>/<n>      n = m in {1024 ... 65536}
 //         wildcat-bar/float/d64/r256/B<bins>/16384     the bar configuration, B in
-//         {1,2,4,16} shape/<biggan|t2t1|t2t2>/<exact|wildcat>     shape analogues of spec 5.2
+//                                                       {1,2,4,16}
+//         shape/<biggan|t2t1|t2t2>/<exact|wildcat>     synthetic analogues of the paper's
+//                                                       BigGAN and T2T-ViT attention shapes
 //         wildcat/smoke/...                             (tiny, for ctest)
 // d = dv = 64, float, every thread (OMP_NUM_THREADS); timing on the sphere workload. Counters:
 //   err_sphere, err_clustered: relative Frobenius error of 256 sampled rows (the first 256)
-//       against the double Naive reference, on the sphere (scale R^2 = 1, spec 5.3 b) and clustered
-//       (16 centres, noise 0.1, spec 5.3 f) workloads of the same n; computed once per
+//       against the double Naive reference, on the sphere (scale R^2 = 1) and clustered
+//       (16 centres, noise 0.1) workloads of the same n; computed once per
 //       configuration outside the timed loop;
 //   vs_exact: time / time of exact/tiled at the same n measured earlier in this run (< 0.1 means
 //       >= 10x faster); rank: coreset rows used; GFLOP/s: dense-equivalent 2 n m (d + dv).
@@ -156,7 +158,8 @@ void register_all() {
         ->Unit(benchmark::kMillisecond)
         ->UseRealTime();
   }
-  // Shape analogues of spec 5.2 (synthetic tensors; the ratio is what transfers).
+  // Analogues of the paper's BigGAN and T2T-ViT shapes (synthetic tensors; the ratio is what
+  // transfers).
   struct Analogue {
     const char* name;
     Shape sh;

@@ -188,8 +188,11 @@ struct WildcatResult : AttentionResult<Scalar> {
 ///
 /// Cost: O(m r^2 / B^2 + m r d / B) to select (bins in parallel; RPCholesky's own tiles in
 /// parallel when B = 1), O(m r dv / B) for V_S, O(n r (d + dv)) to attend (query tiles in
-/// parallel). Memory O(m d + r m / B) transient, nothing n x m. With one bin, results are
-/// bit-identical for any thread count (fixed decomposition, per-bin random streams).
+/// parallel). Memory O(m d + r m / B) transient, nothing n x m. With one bin the results are
+/// bit-identical for any thread count (fixed decomposition, per-bin random streams). With several
+/// bins, the bins run in one parallel loop and the GEMMs of each bin run in nested (inactive)
+/// regions, where Eigen's own threading picks its blocking from OMP_NUM_THREADS, so the last bits
+/// can differ between thread counts (a fixed thread count always gives the same bits).
 ///
 /// The KV-cache members (`compress_kv`, `weighted_attention`, `recompress_tail`, also available as
 /// free functions taking options) use the functor's options.

@@ -216,6 +216,18 @@ void lower_solve_in_place(const Eigen::Ref<const Matrix<S>>& L, RowsRef<S> R) {
   lower_solve_in_place<S>(L.bottomRightCorner(a - h, a - h), R2);
 }
 
+/// dst = lhs rhs for a row-major lhs and column-major rhs and dst: the one product expression that
+/// the kernels' row blocks, their principal submatrices and the Nystrom products (numerics/
+/// nystrom.hpp) share. Eigen instantiates its whole product machinery (GEMM, GEMV and small-size
+/// coefficient paths) once per distinct expression type, so routing these products through one
+/// signature instead of one expression each saves that instantiation twice over. Every argument
+/// binds without a copy (a row-major destination is passed transposed).
+template <typename S>
+void product_rc(Eigen::Ref<Matrix<S>> dst, const Eigen::Ref<const RowMajorMatrix<S>>& lhs,
+                const Eigen::Ref<const Matrix<S>>& rhs) {
+  dst.noalias() = lhs * rhs;
+}
+
 /// Columns per tile of the accelerated block update and of the Gaussian kernels' rows.
 constexpr Index kRpTile = 256;
 
@@ -383,7 +395,7 @@ class GaussianCore {
     rp_for_tiles(tiles, a, [&](Index t) {
       const Index c0 = t * kRpTile, w = std::min(kRpTile, m - c0);
       auto tile = out.middleCols(c0, w);
-      tile.noalias() = za.transpose() * m_z.middleCols(c0, w);  // (a x d)(d x w)
+      product_rc<S>(tile.transpose(), m_z.middleCols(c0, w).transpose(), za);  // (w x d)(d x a)
       for (Index j = 0; j < a; ++j)
         tile.row(j).array() = (tile.row(j).array() - m_half_sq.segment(c0, w).array() -
                                m_half_sq(idx[static_cast<std::size_t>(j)]))
@@ -401,7 +413,7 @@ class GaussianCore {
       zb.col(j) = m_z.col(idx[static_cast<std::size_t>(j)]);
       hb(j) = m_half_sq(idx[static_cast<std::size_t>(j)]);
     }
-    out.noalias() = zb.transpose() * zb;
+    product_rc<S>(out, zb.transpose(), zb);
     for (Index j = 0; j < b; ++j)
       out.col(j).array() = (out.col(j).array() - hb.array() - hb(j)).min(S(0)).exp();
   }

@@ -124,7 +124,7 @@ void factor_times(const RowMajorMatrix<Scalar>& F, const RhsB& B, Matrix<Scalar>
   parallel_for((k + kRows - 1) / kRows, [] { return 0; },
                [&](Index t, int&) {
                  const Index i0 = t * kRows, rows = std::min(kRows, k - i0);
-                 X.middleRows(i0, rows).noalias() = F.middleRows(i0, rows) * B;
+                 product_rc<Scalar>(X.middleRows(i0, rows), F.middleRows(i0, rows), B);
                });
 }
 
