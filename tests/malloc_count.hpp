@@ -11,6 +11,7 @@
 
 #include <atomic>
 #include <cstddef>
+#include <cstdlib>  // the C library declarations first: the definitions below must follow them
 
 #if defined(__SANITIZE_ADDRESS__)
 #define EFFATTN_NO_MALLOC_TRACKING 1
