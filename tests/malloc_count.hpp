@@ -11,7 +11,11 @@
 
 #include <atomic>
 #include <cstddef>
-#include <cstdlib>  // the C library declarations first: the definitions below must follow them
+// Every declaration of the functions defined below comes first (the C library's, and
+// <mm_malloc.h>'s posix_memalign through Eigen), so that the definitions match them.
+#include <cstdlib>
+
+#include <Eigen/Core>
 
 #if defined(__SANITIZE_ADDRESS__)
 #define EFFATTN_NO_MALLOC_TRACKING 1

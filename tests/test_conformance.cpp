@@ -68,14 +68,36 @@ struct DefaultTolerance<ExactAttention<S, policy::Naive>> {
   static double round_off(workloads::Kind) { return std::is_same<S, float>::value ? 1e-6 : 1e-14; }
 };
 
-// Measured fractions filled in from the verbose run (see the comment above).
-inline double approx_fraction(const char* method, workloads::Kind kind) {
-  const std::string m = method;
+// Fractions of the uniform-attention baseline's error for the approximations at their defaults,
+// per workload: min(1.5 f, (1 + f) / 2) of the measured max fraction f over both shapes and both
+// scalars (EFFATTN_TEST_VERBOSE=1 prints f). -1: the method at its defaults is measured no better
+// than uniform attention on that workload (f >= 0.95), so no tolerance can tell it from the
+// baseline and the suite prints SKIP instead of asserting. Measured f:
+//   Conv-Basis (k = 16): positional 0.49; gaussian 1.25, sphere 1.30, clustered 1.64,
+//     needles 1.19 (no Toeplitz structure in the logits);
+//   EVA: positional 0.39, sphere 0.90; gaussian 0.995, clustered 1.40, needles 1.04;
+//   Performer (64 features): clustered 0.70; gaussian 2.78, sphere 1.61, positional 1.55,
+//     needles 1.69 (64 random features are too few for d = 16..32 at these scales);
+//   KEP-SVGP (s = 10): clustered 0.46, gaussian 0.82, needles 0.63, positional 0.41, sphere 0.75;
+//   VCC and WildCat: exact on the square shape at these sizes (default budget >= n, rank 256 >=
+//     m); WildCat on m = 300: clustered 0.0072, gaussian 0.078, needles 0.082, positional 0.014,
+//     sphere 0.010. VCC is held to round-off (2e-5 of the baseline, about 1e-6 absolute).
+inline double approx_fraction(const std::string& method, workloads::Kind kind) {
   using K = workloads::Kind;
-  (void)m;
-  (void)kind;
-  (void)K::Gaussian;
-  return 0.99;
+  const int k = static_cast<int>(kind);  // Gaussian, Sphere, Clustered, Positional, Needles
+  auto pick = [&](double g, double s, double c, double p, double n) {
+    const double v[] = {g, s, c, p, n};
+    return v[k];
+  };
+  static_assert(static_cast<int>(K::Gaussian) == 0 && static_cast<int>(K::Needles) == 4,
+                "workload order");
+  if (method == "ConvBasisAttention") return pick(-1, -1, -1, 0.74, -1);
+  if (method == "EvaAttention") return pick(-1, 0.951, -1, 0.59, -1);
+  if (method == "PerformerAttention") return pick(-1, -1, 0.851, -1, -1);
+  if (method == "KepSvgpAttention") return pick(0.91, 0.877, 0.69, 0.61, 0.815);
+  if (method == "VccAttention") return 2e-5;
+  if (method == "WildcatAttention") return pick(0.117, 0.015, 0.011, 0.021, 0.123);
+  return -1;
 }
 
 template <typename F>

@@ -815,7 +815,7 @@ TEST_CASE("Conformance on the generic workloads (ExactQuery, every 4th row VIP)"
   testing::ConformanceConfig cfg;
   cfg.name = "VCC";
   cfg.shapes = {{256, 256, 32, 32}, {97, 97, 16, 24}};  // self-attention only
-  cfg.tolerance = [](workloads::Kind k) {
+  cfg.tolerance_cap = [](workloads::Kind k) {
     switch (k) {
       case workloads::Kind::Sphere:
         return 0.2;
@@ -826,6 +826,24 @@ TEST_CASE("Conformance on the generic workloads (ExactQuery, every 4th row VIP)"
       default:
         return 0.7;
     }
+  };
+  // The check: a fraction of the uniform-attention baseline's error (so a mean-of-V output
+  // fails), min(1.5 f, (1 + f) / 2) of the measured max fraction f over both shapes: clustered
+  // 0.898, gaussian 0.725, needles 0.634, positional 0.200, sphere 0.645.
+  cfg.baseline_fraction = [](workloads::Kind k) {
+    switch (k) {
+      case workloads::Kind::Clustered:
+        return 0.949;
+      case workloads::Kind::Gaussian:
+        return 0.862;
+      case workloads::Kind::Needles:
+        return 0.817;
+      case workloads::Kind::Positional:
+        return 0.30;
+      case workloads::Kind::Sphere:
+        return 0.822;
+    }
+    return -1.0;
   };
   testing::check_conformance<double>(cfg, [](const auto& Q, const auto& K, const auto& V) {
     std::vector<Index> vip;

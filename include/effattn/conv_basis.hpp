@@ -154,11 +154,11 @@ class ConvBasisAttention {
                 "policy::BinarySearch or policy::Grid");
 
  public:
-  using Scalar = Scalar_;
-  using Options = ConvBasisOptions;
-  using Result = ConvBasisResult<Scalar>;
-  using MatrixType = Matrix<Scalar>;
-  using Ref = ConstRef<Scalar>;
+  using Scalar = Scalar_;  ///< the scalar type (float or double)
+  using Options = ConvBasisOptions;  ///< the options struct
+  using Result = ConvBasisResult<Scalar>;  ///< the result of `compute`
+  using MatrixType = Matrix<Scalar>;  ///< `Matrix<Scalar>`
+  using Ref = ConstRef<Scalar>;  ///< the input type, `ConstRef<Scalar>`
   /// An explicit n x n mask (true = the key is visible).
   using MaskRef = Eigen::Ref<const Eigen::Matrix<bool, Eigen::Dynamic, Eigen::Dynamic>>;
 
@@ -217,8 +217,9 @@ class ConvBasisAttention {
   Options m_opts;
 };
 
-/// float / double aliases with the default backend and Scan recovery.
+/// Conv-Basis attention, float (default backend and Scan recovery).
 using ConvBasisAttentionf = ConvBasisAttention<float>;
+/// Conv-Basis attention, double (default backend and Scan recovery).
 using ConvBasisAttentiond = ConvBasisAttention<double>;
 
 }  // namespace effattn

@@ -213,12 +213,12 @@ class EvaAttention {
                 "Performer baseline is PerformerAttention)");
 
  public:
-  using Scalar = Scalar_;
-  using Options = EvaOptions;
-  using MatrixType = Matrix<Scalar>;
-  using Ref = ConstRef<Scalar>;
+  using Scalar = Scalar_;  ///< the scalar type (float or double)
+  using Options = EvaOptions;  ///< the options struct
+  using MatrixType = Matrix<Scalar>;  ///< `Matrix<Scalar>`
+  using Ref = ConstRef<Scalar>;  ///< the input type, `ConstRef<Scalar>`
   /// Result of `compute`.
-  using Result = EvaResult<Scalar>;
+  using Result = EvaResult<Scalar>;  ///< the result of `compute`
 
   /// Method name used in messages.
   static constexpr const char* name = "EvaAttention";
@@ -323,12 +323,12 @@ class PerformerAttention {
   static_assert(detail::is_supported_scalar_v<Scalar_>, "effattn: Scalar must be float or double");
 
  public:
-  using Scalar = Scalar_;
-  using Options = PerformerOptions;
-  using MatrixType = Matrix<Scalar>;
-  using Ref = ConstRef<Scalar>;
+  using Scalar = Scalar_;  ///< the scalar type (float or double)
+  using Options = PerformerOptions;  ///< the options struct
+  using MatrixType = Matrix<Scalar>;  ///< `Matrix<Scalar>`
+  using Ref = ConstRef<Scalar>;  ///< the input type, `ConstRef<Scalar>`
   /// Result of `compute`.
-  using Result = PerformerResult<Scalar>;
+  using Result = PerformerResult<Scalar>;  ///< the result of `compute`
 
   /// Method name used in messages.
   static constexpr const char* name = "PerformerAttention";

@@ -103,13 +103,13 @@ class ExactAttention {
                 "effattn: ExactAttention policy must be policy::Tiled or policy::Naive");
 
  public:
-  using Scalar = Scalar_;
-  using Options = ExactOptions;
-  using MatrixType = Matrix<Scalar>;
-  using Ref = ConstRef<Scalar>;
+  using Scalar = Scalar_;  ///< the scalar type (float or double)
+  using Options = ExactOptions;  ///< the options struct
+  using MatrixType = Matrix<Scalar>;  ///< `Matrix<Scalar>`
+  using Ref = ConstRef<Scalar>;  ///< the input type, `ConstRef<Scalar>`
 
   /// Result of `compute` (the same type for both policies).
-  using Result = ExactResult<Scalar>;
+  using Result = ExactResult<Scalar>;  ///< the result of `compute`
 
   /// The method's name, as in messages.
   static constexpr const char* name = "ExactAttention";

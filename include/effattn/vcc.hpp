@@ -101,13 +101,13 @@ struct VccResult : AttentionResult<Scalar> {
 /// b = [0; log s_j] (the paper's D, in numerator and denominator):
 /// \f[ O_P = \mathrm{softmax}(\tau Q_P K'^T + 1 b^T) V'. \f]
 /// This is exactly softmax attention against keys and values averaged within segments:
-/// O_P = Attn(Q_P, [K_P; S_c^\dagger S_c K_C], [V_P; S_c^\dagger S_c V_C]), with
-/// S_c^\dagger = S_c^T D. The error is 0 when every segment is one row (r >= n) or keys and values
+/// O_P = Attn(Q_P, [K_P; S_c^^+ S_c K_C], [V_P; S_c^^+ S_c V_C]), with
+/// S_c^^+ = S_c^T D. The error is 0 when every segment is one row (r >= n) or keys and values
 /// are constant on segments; VIP row q satisfies
 /// ||O_hat(q) - O(q)|| <= eps_v + (exp(2 tau ||q|| delta) - 1) max_j ||vbar_j||, with delta and
 /// eps_v the largest in-segment deviations of keys and values.
 /// The non-VIP rows follow `NonVip`: `policy::Decompress` (the paper: the segment-mean queries
-/// attend and every token gets its segment's output, O_C = S_c^\dagger softmax(tau S_c Q_C K'^T +
+/// attend and every token gets its segment's output, O_C = S_c^^+ softmax(tau S_c Q_C K'^T +
 /// b) V'), `policy::ExactQuery` (every query attends to K', V'), or `policy::VipOnly` (left at 0).
 ///
 /// J comes from `Select` guided by the VIP queries scored with `Score`: `policy::TwoLevel` (the

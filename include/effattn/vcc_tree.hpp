@@ -194,10 +194,10 @@ class VccTree {
 
  public:
   using Scalar = Scalar_;  ///< float or double
-  using MatrixType = Matrix<Scalar>;
+  using MatrixType = Matrix<Scalar>;  ///< `Matrix<Scalar>`
   /// The storage of the levels (row-major: a node is one contiguous row).
   using RowMatrix = Eigen::Matrix<Scalar, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
-  using Ref = ConstRef<Scalar>;
+  using Ref = ConstRef<Scalar>;  ///< the input type, `ConstRef<Scalar>`
 
   /// An empty tree (size() == 0).
   VccTree() = default;

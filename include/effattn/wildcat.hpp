@@ -116,7 +116,8 @@ struct CompressedKV {
   Matrix<Scalar> values;             ///< r x dv compressed values (log-scaled)
   Vector<Scalar> weights;            ///< r compressed softmax weights (log-scaled; may be < 0)
   Vector<Scalar> log_scale;          ///< r log-scales (0 for exact rows)
-  RowVector<Scalar> vmin, vmax;      ///< running column extrema of every value seen (the clip)
+  RowVector<Scalar> vmin;            ///< running column minima of every value seen (the clip)
+  RowVector<Scalar> vmax;            ///< running column maxima of every value seen (the clip)
   std::vector<Index> pivots;         ///< sequence position of the token behind each row
   std::vector<WildcatBlock> blocks;  ///< compressed (and exactly kept) bins, in row order
   Index tokens = 0;                  ///< tokens represented (compressed + tail)
@@ -219,12 +220,12 @@ class WildcatAttention {
                 "policy::RandomlyPivoted or policy::GreedyPivoted");
 
  public:
-  using Scalar = Scalar_;
-  using Options = WildcatOptions;
-  using MatrixType = Matrix<Scalar>;
-  using Ref = ConstRef<Scalar>;
+  using Scalar = Scalar_;  ///< the scalar type (float or double)
+  using Options = WildcatOptions;  ///< the options struct
+  using MatrixType = Matrix<Scalar>;  ///< `Matrix<Scalar>`
+  using Ref = ConstRef<Scalar>;  ///< the input type, `ConstRef<Scalar>`
   /// Result of `compute`.
-  using Result = WildcatResult<Scalar>;
+  using Result = WildcatResult<Scalar>;  ///< the result of `compute`
 
   static constexpr const char* name = "WildcatAttention";  ///< the method's name
   static constexpr bool supports_causal = false;           ///< no causal form (a paper limitation)

@@ -275,7 +275,7 @@ Workload<Scalar> make(const std::string& kind, Index n, Index d, std::uint64_t s
 namespace effattn {
 namespace workloads {
 
-/// Parameters of `make_smooth_vip` (defaults: the generator of the VCC spec, section 6.C).
+/// Parameters of `make_smooth_vip` (defaults: smooth AR(1) keys and peaked VIP queries).
 struct SmoothVipParams {
   Index n = 4096;             ///< tokens
   Index d = 64;               ///< query/key dimension
@@ -298,10 +298,10 @@ struct SmoothVipWorkload {
   Matrix<Scalar> V;            ///< n x dv values
   std::vector<Index> vip;      ///< sorted, unique VIP rows
   std::vector<Index> centres;  ///< the key rows the VIP queries point at
-  double scale = 1.0 / 3.0;    ///< tau used with this workload (the spec's prototype value)
+  double scale = 1.0 / 3.0;    ///< tau the defaults were designed for
 };
 
-/// The structured generator of the VCC spec (6.C), on which VIP-guided compression should beat
+/// A structured generator (smooth keys, peaked VIP queries) on which VIP-guided compression beats
 /// uniform pooling:
 /// - keys: a stationary AR(1) process along the sequence, x_t = rho x_{t-1} + sigma eps_t
 ///   (x_0 from the stationary law N(0, sigma^2 / (1 - rho^2))), K = X: smooth in t;

@@ -106,7 +106,7 @@ struct Fftw {
                   "effattn: fft::Fftw needs FFTW. Define EFFATTN_USE_FFTW and link fftw3 and "
                   "fftw3f (CMake option EFFATTN_WITH_FFTW=ON), or use fft::EigenFft.");
     // Members so that the static_assert is the only diagnostic.
-    using Complex = std::complex<Real>;
+    using Complex = std::complex<Real>;  ///< the complex type of the transforms
     struct Scratch {};
     Engine(Index, Index, Rigor) {}
     Scratch make_scratch() const { return {}; }
@@ -161,17 +161,17 @@ struct EigenFft {
     using Fft = Eigen::FFT<Real>;
 
    public:
-    using Complex = std::complex<Real>;
+    using Complex = std::complex<Real>;  ///< the complex type of the transforms
     /// Per-thread state: a copy of the prepared Eigen::FFT object.
     struct Scratch {
-      Fft fft;
+      Fft fft;  ///< the prepared transform
     };
     /// Prepares the twiddles of size `size` (in [2, 2^31)); `batch` >= 1 is only recorded.
     /// \throws effattn::invalid_argument on a size or batch out of range.
     Engine(Index size, Index batch, Rigor /*ignored*/);
-    Index size() const { return m_size; }
-    Index batch() const { return m_batch; }
-    Scratch make_scratch() const { return Scratch{*m_proto}; }
+    Index size() const { return m_size; }               ///< transform size N
+    Index batch() const { return m_batch; }             ///< recorded batch size
+    Scratch make_scratch() const { return Scratch{*m_proto}; }  ///< per-thread state
     /// r2c of `howmany` columns: in[t N + i] -> out[t (N/2+1) + f].
     void forward(Index howmany, const Real* in, Complex* out, Scratch& s) const {
       for (Index t = 0; t < howmany; ++t)
@@ -294,9 +294,9 @@ class CausalConv {
                 "effattn: CausalConv Real must be float or double");
 
  public:
-  using Complex = std::complex<Real>;
-  using Engine = typename Backend::template Engine<Real>;
-  using Term = ConvTerm<Scalar>;
+  using Complex = std::complex<Real>;  ///< the complex type of the transforms
+  using Engine = typename Backend::template Engine<Real>;  ///< the FFT engine of the backend
+  using Term = ConvTerm<Scalar>;  ///< one convolution term
 
   /// Prepares the sum of `terms` for signals of length n (plans, kernel spectra, or the dense
   /// matrix for the Direct method). O(k N log N) for k terms.
@@ -348,7 +348,7 @@ template <typename Backend = Default, typename Real = double, typename DB, typen
 Matrix<typename DX::Scalar> causal_conv(const Eigen::MatrixBase<DB>& b,
                                         const Eigen::MatrixBase<DX>& X,
                                         const ConvOptions& opts = {}) {
-  using Scalar = typename DX::Scalar;
+  using Scalar = typename DX::Scalar;  ///< the scalar type (float or double)
   static_assert(std::is_same<typename DB::Scalar, Scalar>::value,
                 "effattn: causal_conv: b and X must have the same scalar type");
   EFFATTN_CHECK(b.cols() == 1,

@@ -225,7 +225,7 @@ class RpCholesky {
                 "policy::AcceleratedRandomlyPivoted or policy::GreedyPivoted");
 
  public:
-  using Options = RpCholeskyOptions;
+  using Options = RpCholeskyOptions;  ///< the options struct
 
   /// \throws effattn::invalid_argument if rank < 1, rel_tol is not in [0, 1), block_size < 0 or
   ///         roundoff_factor is negative or non-finite.
