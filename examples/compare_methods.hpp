@@ -10,6 +10,7 @@
 #include <chrono>
 #include <cmath>
 #include <functional>
+#include <initializer_list>
 #include <limits>
 #include <map>
 #include <string>
@@ -128,6 +129,16 @@ inline std::vector<Index> vip_rows(Index n) {
   return v;
 }
 
+/// The candidate budgets below `limit` (the budget at which a method becomes exact), or `limit`
+/// itself when none is (tiny problems).
+inline std::vector<Index> budgets_below(std::initializer_list<Index> candidates, Index limit) {
+  std::vector<Index> b;
+  for (const Index c : candidates)
+    if (c < limit) b.push_back(c);
+  if (b.empty()) b.push_back(limit);
+  return b;
+}
+
 /// How effattn-compare runs one functor of effattn::MethodList: its `--methods` key, its default
 /// budgets (in the method's own unit), the options for a budget and a description of them. One
 /// specialization per functor of the list (a functor without one does not compile here); the
@@ -229,11 +240,7 @@ template <typename S>
 struct CompareConfig<WildcatAttention<S>> {  // RPNys coreset; budget = coreset size r
   static constexpr const char* id = "wildcat";
   static std::vector<Index> budgets(const Problem<S>& p) {
-    std::vector<Index> b;
-    for (Index r : {Index(64), Index(256), Index(1024)})
-      if (r < p.K.rows()) b.push_back(r);
-    if (b.empty()) b.push_back(p.K.rows());
-    return b;
+    return budgets_below({64, 256, 1024}, p.K.rows());
   }
   static WildcatOptions options(const Problem<S>& p, Index b) {
     WildcatOptions o;
@@ -251,11 +258,7 @@ template <typename S>
 struct CompareConfig<KepSvgpAttention<S>> {  // rank-s randomized kernel SVD; budget = s
   static constexpr const char* id = "kep_svgp";
   static std::vector<Index> budgets(const Problem<S>& p) {
-    std::vector<Index> b;
-    for (Index s : {Index(8), Index(32), Index(128)})
-      if (s < std::min(p.Q.rows(), p.K.rows())) b.push_back(s);
-    if (b.empty()) b.push_back(std::min(p.Q.rows(), p.K.rows()));
-    return b;
+    return budgets_below({8, 32, 128}, std::min(p.Q.rows(), p.K.rows()));
   }
   static KepSvgpOptions options(const Problem<S>& p, Index b) {
     KepSvgpOptions o;

@@ -154,11 +154,11 @@ class ConvBasisAttention {
                 "policy::BinarySearch or policy::Grid");
 
  public:
-  using Scalar = Scalar_;  ///< the scalar type (float or double)
-  using Options = ConvBasisOptions;  ///< the options struct
+  using Scalar = Scalar_;                  ///< the scalar type (float or double)
+  using Options = ConvBasisOptions;        ///< the options struct
   using Result = ConvBasisResult<Scalar>;  ///< the result of `compute`
-  using MatrixType = Matrix<Scalar>;  ///< `Matrix<Scalar>`
-  using Ref = ConstRef<Scalar>;  ///< the input type, `ConstRef<Scalar>`
+  using MatrixType = Matrix<Scalar>;       ///< `Matrix<Scalar>`
+  using Ref = ConstRef<Scalar>;            ///< the input type, `ConstRef<Scalar>`
   /// An explicit n x n mask (true = the key is visible).
   using MaskRef = Eigen::Ref<const Eigen::Matrix<bool, Eigen::Dynamic, Eigen::Dynamic>>;
 

@@ -213,10 +213,10 @@ class EvaAttention {
                 "Performer baseline is PerformerAttention)");
 
  public:
-  using Scalar = Scalar_;  ///< the scalar type (float or double)
-  using Options = EvaOptions;  ///< the options struct
+  using Scalar = Scalar_;             ///< the scalar type (float or double)
+  using Options = EvaOptions;         ///< the options struct
   using MatrixType = Matrix<Scalar>;  ///< `Matrix<Scalar>`
-  using Ref = ConstRef<Scalar>;  ///< the input type, `ConstRef<Scalar>`
+  using Ref = ConstRef<Scalar>;       ///< the input type, `ConstRef<Scalar>`
   /// Result of `compute`.
   using Result = EvaResult<Scalar>;  ///< the result of `compute`
 
@@ -323,10 +323,10 @@ class PerformerAttention {
   static_assert(detail::is_supported_scalar_v<Scalar_>, "effattn: Scalar must be float or double");
 
  public:
-  using Scalar = Scalar_;  ///< the scalar type (float or double)
-  using Options = PerformerOptions;  ///< the options struct
+  using Scalar = Scalar_;             ///< the scalar type (float or double)
+  using Options = PerformerOptions;   ///< the options struct
   using MatrixType = Matrix<Scalar>;  ///< `Matrix<Scalar>`
-  using Ref = ConstRef<Scalar>;  ///< the input type, `ConstRef<Scalar>`
+  using Ref = ConstRef<Scalar>;       ///< the input type, `ConstRef<Scalar>`
   /// Result of `compute`.
   using Result = PerformerResult<Scalar>;  ///< the result of `compute`
 

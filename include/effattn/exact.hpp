@@ -103,10 +103,10 @@ class ExactAttention {
                 "effattn: ExactAttention policy must be policy::Tiled or policy::Naive");
 
  public:
-  using Scalar = Scalar_;  ///< the scalar type (float or double)
-  using Options = ExactOptions;  ///< the options struct
+  using Scalar = Scalar_;             ///< the scalar type (float or double)
+  using Options = ExactOptions;       ///< the options struct
   using MatrixType = Matrix<Scalar>;  ///< `Matrix<Scalar>`
-  using Ref = ConstRef<Scalar>;  ///< the input type, `ConstRef<Scalar>`
+  using Ref = ConstRef<Scalar>;       ///< the input type, `ConstRef<Scalar>`
 
   /// Result of `compute` (the same type for both policies).
   using Result = ExactResult<Scalar>;  ///< the result of `compute`

@@ -268,12 +268,13 @@ class KepSvgpAttention {
                 "effattn: KepSvgpAttention Merge must be policy::EOnly, Addition or Concatenation");
 
  public:
-  using Scalar = Scalar_;  ///< the scalar type (float or double)
-  using Options = KepSvgpOptions;  ///< the options struct
+  using Scalar = Scalar_;                ///< the scalar type (float or double)
+  using Options = KepSvgpOptions;        ///< the options struct
   using Result = KepSvgpResult<Scalar>;  ///< the result of `compute`
-  using MatrixType = Matrix<Scalar>;  ///< `Matrix<Scalar>`
-  using Ref = ConstRef<Scalar>;  ///< the input type, `ConstRef<Scalar>`
-  using VariationalParams = kepsvgp::VariationalParams<Scalar>;  ///< variational parameters of the trainer interface
+  using MatrixType = Matrix<Scalar>;     ///< `Matrix<Scalar>`
+  using Ref = ConstRef<Scalar>;          ///< the input type, `ConstRef<Scalar>`
+  using VariationalParams =
+      kepsvgp::VariationalParams<Scalar>;  ///< variational parameters of the trainer interface
 
   /// Name used in messages.
   static constexpr const char* name = "KepSvgpAttention";

@@ -193,7 +193,7 @@ class VccTree {
   static_assert(detail::is_supported_scalar_v<Scalar_>, "effattn: Scalar must be float or double");
 
  public:
-  using Scalar = Scalar_;  ///< float or double
+  using Scalar = Scalar_;             ///< float or double
   using MatrixType = Matrix<Scalar>;  ///< `Matrix<Scalar>`
   /// The storage of the levels (row-major: a node is one contiguous row).
   using RowMatrix = Eigen::Matrix<Scalar, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;

@@ -220,10 +220,10 @@ class WildcatAttention {
                 "policy::RandomlyPivoted or policy::GreedyPivoted");
 
  public:
-  using Scalar = Scalar_;  ///< the scalar type (float or double)
-  using Options = WildcatOptions;  ///< the options struct
+  using Scalar = Scalar_;             ///< the scalar type (float or double)
+  using Options = WildcatOptions;     ///< the options struct
   using MatrixType = Matrix<Scalar>;  ///< `Matrix<Scalar>`
-  using Ref = ConstRef<Scalar>;  ///< the input type, `ConstRef<Scalar>`
+  using Ref = ConstRef<Scalar>;       ///< the input type, `ConstRef<Scalar>`
   /// Result of `compute`.
   using Result = WildcatResult<Scalar>;  ///< the result of `compute`
 

@@ -97,9 +97,9 @@ struct Params {
 /// A generated problem.
 template <typename Scalar>
 struct Workload {
-  Matrix<Scalar> Q;  ///< n x d
-  Matrix<Scalar> K;  ///< m x d
-  Matrix<Scalar> V;  ///< m x dv
+  Matrix<Scalar> Q;            ///< n x d
+  Matrix<Scalar> K;            ///< m x d
+  Matrix<Scalar> V;            ///< m x dv
   Kind kind = Kind::Gaussian;  ///< the generator that made it
   /// needles only: (query row, key row) pairs with Q.row(query) = query_scale * gain * K.row(key).
   std::vector<std::pair<Index, Index>> needles;
@@ -277,16 +277,16 @@ namespace workloads {
 
 /// Parameters of `make_smooth_vip` (defaults: smooth AR(1) keys and peaked VIP queries).
 struct SmoothVipParams {
-  Index n = 4096;             ///< tokens
-  Index d = 64;               ///< query/key dimension
-  Index dv = 0;               ///< value dimension (0 = d)
-  Index vip = 48;             ///< number of VIP rows n_p (distinct, uniformly random)
-  Index centres = 4;          ///< positions the VIP queries look at
-  double ar = 0.98;           ///< AR(1) coefficient rho of the keys along the sequence
-  double innovation = 0.2;    ///< AR(1) innovation standard deviation sigma
-  double query_gain = 3.0;    ///< |q| of the VIP queries before noise
-  double query_noise = 0.3;   ///< per-coordinate noise of every query
-  std::uint64_t seed = 1;     ///< random seed
+  Index n = 4096;            ///< tokens
+  Index d = 64;              ///< query/key dimension
+  Index dv = 0;              ///< value dimension (0 = d)
+  Index vip = 48;            ///< number of VIP rows n_p (distinct, uniformly random)
+  Index centres = 4;         ///< positions the VIP queries look at
+  double ar = 0.98;          ///< AR(1) coefficient rho of the keys along the sequence
+  double innovation = 0.2;   ///< AR(1) innovation standard deviation sigma
+  double query_gain = 3.0;   ///< |q| of the VIP queries before noise
+  double query_noise = 0.3;  ///< per-coordinate noise of every query
+  std::uint64_t seed = 1;    ///< random seed
 };
 
 /// A smooth-keys / peaked-VIP problem: Q, K (n x d), V (n x dv), the sorted VIP rows and the

@@ -169,8 +169,8 @@ struct EigenFft {
     /// Prepares the twiddles of size `size` (in [2, 2^31)); `batch` >= 1 is only recorded.
     /// \throws effattn::invalid_argument on a size or batch out of range.
     Engine(Index size, Index batch, Rigor /*ignored*/);
-    Index size() const { return m_size; }               ///< transform size N
-    Index batch() const { return m_batch; }             ///< recorded batch size
+    Index size() const { return m_size; }                       ///< transform size N
+    Index batch() const { return m_batch; }                     ///< recorded batch size
     Scratch make_scratch() const { return Scratch{*m_proto}; }  ///< per-thread state
     /// r2c of `howmany` columns: in[t N + i] -> out[t (N/2+1) + f].
     void forward(Index howmany, const Real* in, Complex* out, Scratch& s) const {
@@ -294,9 +294,9 @@ class CausalConv {
                 "effattn: CausalConv Real must be float or double");
 
  public:
-  using Complex = std::complex<Real>;  ///< the complex type of the transforms
+  using Complex = std::complex<Real>;                      ///< the complex type of the transforms
   using Engine = typename Backend::template Engine<Real>;  ///< the FFT engine of the backend
-  using Term = ConvTerm<Scalar>;  ///< one convolution term
+  using Term = ConvTerm<Scalar>;                           ///< one convolution term
 
   /// Prepares the sum of `terms` for signals of length n (plans, kernel spectra, or the dense
   /// matrix for the Direct method). O(k N log N) for k terms.
