@@ -91,6 +91,49 @@ struct TileWorkspace {
         l(bq) {}
 };
 
+/// The online-softmax update of one score tile: ws.s's top-left bq x cols block holds the logits
+/// S of bq query rows against `cols` keys. Updates the running max ws.m, the row sums ws.l (in
+/// double) and rescales the accumulator ws.acc by alpha = exp(m_old - m_new) (see the file
+/// documentation), and leaves P = exp(S - m_new) in the tile, ready for acc += P V_t, which the
+/// caller does (its V access varies). `hide(c, column, value)` sets the masked entries of tile
+/// column c to `value`; it is called (with -inf before the row max, with 0 after the exp) only
+/// when `masked`. Masked entries must end exactly 0: Eigen's vectorised exp clamps its argument,
+/// so exp(-inf) would give ~1e-38 (float), which a huge value could still turn into a bias.
+/// Rows that have seen no visible key keep m = -inf, l = 0, acc = 0. O(bq (cols + dv)), no
+/// allocation.
+template <typename Scalar, typename Hide>
+void online_softmax_update(Index bq, Index cols, bool masked, Hide&& hide,
+                           TileWorkspace<Scalar>& ws) {
+  constexpr Scalar ninf = -std::numeric_limits<Scalar>::infinity();
+  auto S = ws.s.topLeftCorner(bq, cols);
+  auto m = ws.m.head(bq);
+  auto shift = ws.shift.head(bq);
+  auto alpha = ws.alpha.head(bq);
+  auto tmax = ws.tile_max.head(bq);
+  auto tsum = ws.tile_sum.head(bq);
+  auto l = ws.l.head(bq);
+  if (masked)
+    for (Index c = 0; c < cols; ++c) hide(c, S.col(c), ninf);
+  row_max_into(S, tmax);
+  tmax = tmax.max(m);  // new running max
+  // Rows that have seen no visible key yet keep max -inf; shift them by 0 to avoid inf - inf.
+  shift = neg_inf_to_zero(tmax);
+  // Rescale factor of the old state. Where m was -inf it is exp(-inf), ~1e-38 under Eigen's
+  // vectorised exp, but the old state is l = 0, acc = 0 there, so it stays exactly 0.
+  alpha = (m - shift).exp();
+  tsum.setZero();
+  for (Index c = 0; c < cols; ++c) {
+    S.col(c).array() = (S.col(c).array() - shift).exp();
+    // The masked positions are known here, so they are zeroed after the vectorised exp
+    // (masked_exp would test every entry and fall back to the scalar exp).
+    if (masked) hide(c, S.col(c), Scalar(0));
+    tsum += S.col(c).array();
+  }
+  l = l * alpha.template cast<double>() + tsum.template cast<double>();
+  if (!(alpha == Scalar(1)).all()) ws.acc.topRows(bq).array().colwise() *= alpha;
+  m = tmax;
+}
+
 /// Online-softmax pass of query rows [i0, i0 + bq) over keys [k_begin, k_end) (see the file
 /// documentation), with logits scale <q_i, k_j> + bias[j] (`bias` null or m values, -inf masks a
 /// key) and, with `causal`, key j hidden from row i when j > i + (m - n). `Kt` is K^T (d x m;
@@ -111,15 +154,9 @@ void online_softmax_block(const ConstRef<Scalar>& Q, const ConstRef<Scalar>& Kt,
 
   auto q = ws.q.topRows(bq);
   auto acc = ws.acc.topRows(bq);
-  auto m = ws.m.head(bq);
-  auto shift = ws.shift.head(bq);
-  auto alpha = ws.alpha.head(bq);
-  auto tmax = ws.tile_max.head(bq);
-  auto tsum = ws.tile_sum.head(bq);
-  auto l = ws.l.head(bq);
   q.noalias() = Q.middleRows(i0, bq) * scale;
-  m.setConstant(ninf);
-  l.setZero();
+  ws.m.head(bq).setConstant(ninf);
+  ws.l.head(bq).setZero();
   acc.setZero();
 
   for (Index j0 = k_begin; j0 < k_end; j0 += bk) {
@@ -132,31 +169,13 @@ void online_softmax_block(const ConstRef<Scalar>& Q, const ConstRef<Scalar>& Kt,
       for (Index c = 0; c < cols; ++c) S.col(c).array() += bias[j0 + c];
     // Diagonal tile: key j is hidden from local rows r < j - off - i0 (a prefix of the column).
     const bool diagonal = causal && j0 + cols - 1 > i0 + off;
-    auto hidden_rows = [&](Index c) { return std::max<Index>(0, std::min(bq, j0 + c - off - i0)); };
-    if (diagonal)
-      for (Index c = 0; c < cols; ++c) S.col(c).head(hidden_rows(c)).setConstant(ninf);
-    row_max_into(S, tmax);
-    tmax = tmax.max(m);  // new running max
-    // Rows that have seen no visible key yet keep max -inf; shift them by 0 to avoid inf - inf.
-    shift = neg_inf_to_zero(tmax);
-    // Rescale factor of the old state. Where m was -inf it is exp(-inf), ~1e-38 under Eigen's
-    // vectorised exp, but the old state is l = 0, acc = 0 there, so it stays exactly 0.
-    alpha = (m - shift).exp();
-    tsum.setZero();
-    for (Index c = 0; c < cols; ++c) {
-      S.col(c).array() = (S.col(c).array() - shift).exp();
-      // Masked entries must be exactly 0: Eigen's vectorised exp clamps its argument, so
-      // exp(-inf) would give ~1e-38 (float), which a huge value could still turn into a bias.
-      // The masked positions are known here, so they are zeroed after the vectorised exp
-      // (masked_exp would test every entry and fall back to the scalar exp).
-      if (diagonal) S.col(c).head(hidden_rows(c)).setZero();
-      if (bias != nullptr && bias[j0 + c] == ninf) S.col(c).setZero();
-      tsum += S.col(c).array();
-    }
-    l = l * alpha.template cast<double>() + tsum.template cast<double>();
-    if (!(alpha == Scalar(1)).all()) acc.array().colwise() *= alpha;
+    auto hide = [&](Index c, auto column, Scalar value) {
+      if (diagonal)
+        column.head(std::max<Index>(0, std::min(bq, j0 + c - off - i0))).setConstant(value);
+      if (bias != nullptr && bias[j0 + c] == ninf) column.setConstant(value);
+    };
+    online_softmax_update<Scalar>(bq, cols, diagonal || bias != nullptr, hide, ws);
     acc.noalias() += S * V.middleRows(j0, cols);
-    m = tmax;
   }
 }
 
