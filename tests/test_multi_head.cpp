@@ -93,9 +93,10 @@ TEMPLATE_TEST_CASE("MultiHead equals the per-head calls for every method", "[mul
     using F = typename decltype(tag)::type;
     constexpr bool exact_tiled = std::is_same_v<F, ExactAttention<S>>;
     // Ragged lengths (a zero-length sequence too); the approximate methods get shorter ones.
-    const std::vector<Index> lengths = exact_tiled || std::is_same_v<F, ExactAttention<S, policy::Naive>>
-                                           ? std::vector<Index>{1, 7, 0, 128, 1000}
-                                           : std::vector<Index>{1, 7, 60, 130};
+    const std::vector<Index> lengths =
+        exact_tiled || std::is_same_v<F, ExactAttention<S, policy::Naive>>
+            ? std::vector<Index>{1, 7, 0, 128, 1000}
+            : std::vector<Index>{1, 7, 60, 130};
     const SeqOffsets cu = offsets_of(lengths);
     const Index T = cu.back();
     for (const HeadLayout L : {HeadLayout{2, 0}, HeadLayout{8, 2}, HeadLayout{8, 1}}) {
@@ -174,7 +175,8 @@ TEMPLATE_TEST_CASE("MultiHead exact: lse per head, GQA 4 and 8, against the doub
       for (Index b = 0; b < 4; ++b)
         for (Index h = 0; h < L.heads; ++h)
           CHECK((r.head(b, h).lse - n.head(b, h).lse).cwiseAbs().maxCoeff() <
-                100 * std::numeric_limits<S>::epsilon() * (1 + n.head(b, h).lse.cwiseAbs().maxCoeff()));
+                100 * std::numeric_limits<S>::epsilon() *
+                    (1 + n.head(b, h).lse.cwiseAbs().maxCoeff()));
     }
   }
 }
@@ -315,8 +317,8 @@ TEST_CASE("MultiHead rejects bad input, naming the argument", "[multi_head][erro
   causal.causal = true;
   throws_with(
       [&] {
-        (void)MultiHead<ExactAttentionf>(causal, {4, 2}).compute(p.Q, p.K, p.V, {0, 10, 20},
-                                                                  {0, 15, 20});
+        (void)MultiHead<ExactAttentionf>(causal, {4, 2})
+            .compute(p.Q, p.K, p.V, {0, 10, 20}, {0, 15, 20});
       },
       "sequence 1");
   RowMat<float> bad = p.Q;
@@ -333,8 +335,8 @@ TEST_CASE("MultiHead rejects bad input, naming the argument", "[multi_head][erro
   // Self-attention-only methods need as many keys as queries per sequence.
   throws_with(
       [&] {
-        (void)MultiHead<ConvBasisAttention<float>>({}, {4, 2}).compute(p.Q, p.K, p.V, {0, 10, 20},
-                                                                        {0, 8, 20});
+        (void)MultiHead<ConvBasisAttention<float>>({}, {4, 2})
+            .compute(p.Q, p.K, p.V, {0, 10, 20}, {0, 8, 20});
       },
       "sequence 0");
 }

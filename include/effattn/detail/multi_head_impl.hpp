@@ -102,6 +102,26 @@ inline SeqOffsets resolve_offsets(const SeqOffsets& cu, Index rows, const char* 
   return cu;
 }
 
+/// True when rows [r0, r0 + nr) and columns [c0, c0 + nc) of v are finite, read in storage
+/// order (a row-major slice through its transpose).
+template <typename Scalar>
+bool slice_finite(const PackedView<Scalar>& v, Index r0, Index nr, Index c0, Index nc) {
+  if (nr == 0 || nc == 0) return true;
+  const Scalar* p = v.at(r0, c0);
+  if (v.row_major) return all_finite(ColMap<Scalar>(p, nc, nr, Eigen::OuterStride<>(v.outer)));
+  return all_finite(ColMap<Scalar>(p, nr, nc, Eigen::OuterStride<>(v.outer)));
+}
+
+/// Throws `invalid_argument` naming `name` and the first non-finite entry of v, if any.
+template <typename Scalar>
+void check_finite_view(const PackedView<Scalar>& v, const char* name) {
+  if (EFFATTN_LIKELY(slice_finite(v, 0, v.rows, 0, v.cols))) return;
+  if (v.row_major)
+    check_finite(RowMap<Scalar>(v.data, v.rows, v.cols, Eigen::OuterStride<>(v.outer)), name);
+  else
+    check_finite(ColMap<Scalar>(v.data, v.rows, v.cols, Eigen::OuterStride<>(v.outer)), name);
+}
+
 /// The batch of one call: validated query and key offsets, head widths.
 struct MultiHeadBatch {
   SeqOffsets q, k;      ///< B + 1 offsets each
@@ -142,16 +162,7 @@ MultiHeadBatch check_multi_head(const PackedView<Scalar>& Q, const PackedView<Sc
                       " queries but no keys (cu_seqlens_k[", b, "] = cu_seqlens_k[", b + 1,
                       "] = ", mb.k[i], ")"));
   }
-  const char* names[3] = {"Q", "K", "V"};
-  const PackedView<Scalar>* views[3] = {&Q, &K, &V};
-  for (int a = 0; a < 3; ++a) {
-    const PackedView<Scalar>& v = *views[a];
-    if (v.rows == 0 || v.cols == 0) continue;
-    if (v.row_major)
-      check_finite(RowMap<Scalar>(v.data, v.rows, v.cols, Eigen::OuterStride<>(v.outer)), names[a]);
-    else
-      check_finite(ColMap<Scalar>(v.data, v.rows, v.cols, Eigen::OuterStride<>(v.outer)), names[a]);
-  }
+  check_finite_view(Q, "Q");
   return mb;
 }
 
@@ -206,10 +217,12 @@ void run_per_head(const PackedView<typename F::Scalar>& Q, const SeqOffsets& oq,
 }
 
 /// One unit of the multi-head exact kernel: query rows [i0, i0 + rows) of sequence `seq` for the
-/// `nh` consecutive query heads h0, ... of key/value head `kvh`, stacked in the workspace (head
-/// s in rows [s rows, (s + 1) rows)), over `splits` key ranges; `part` indexes its split states.
+/// `nh` consecutive query heads h0, ... (of one or several key/value heads), stacked in the
+/// workspace (head s in rows [s rows, (s + 1) rows)), over `splits` key ranges; `part` indexes its
+/// split states.
 struct MhBlock {
-  Index seq = 0, kvh = 0, h0 = 0, nh = 1, i0 = 0, rows = 0, splits = 1, part = -1;
+  Index seq = 0, h0 = 0, nh = 1, i0 = 0, rows = 0, splits = 1, part = -1;
+  bool stacked = false;  ///< a decoding block (few queries, heads stacked)
 };
 
 /// The partial online-softmax states of a split block (see `merge_split_states`).
@@ -235,9 +248,10 @@ struct MhExactProblem {
 /// this is the multi-head form: stacked heads, K and V read through strided maps). K is read as
 /// K^T tiles: a row-major K's head slice transposed is a column-major map (no copy); a
 /// column-major K is multiplied transposed. Leaves m, l, acc of the R = nh rows stacked rows in
-/// ws. 2 R (keys) (d + dv) flops, no allocation.
+/// ws. 2 R (keys) (d + dv) flops, no allocation. \returns false if a score was not finite (a
+/// non-finite key, or an overflow).
 template <typename Scalar, bool KRowMajor, bool VRowMajor>
-void mh_exact_pass(const MhExactProblem<Scalar>& P, const MhBlock& blk, Index split,
+bool mh_exact_pass(const MhExactProblem<Scalar>& P, const MhBlock& blk, Index split,
                    TileWorkspace<Scalar>& ws) {
   constexpr Scalar ninf = -std::numeric_limits<Scalar>::infinity();
   const MultiHeadBatch& mb = *P.batch;
@@ -263,14 +277,31 @@ void mh_exact_pass(const MhExactProblem<Scalar>& P, const MhBlock& blk, Index sp
   const Index visible = P.causal ? std::min(nk, i0 + rows + off) : nk;
   const Index k_begin = visible * split / blk.splits;
   const Index k_end = visible * (split + 1) / blk.splits;
+  bool finite = true;
   for (Index j0 = k_begin; j0 < k_end; j0 += P.bk) {
     const Index cols = std::min(P.bk, k_end - j0);
     auto S = ws.s.topLeftCorner(R, cols);
-    const Scalar* kp = P.K.at(kb + j0, blk.kvh * d);
-    if constexpr (KRowMajor)
-      S.noalias() = q * ColMap<Scalar>(kp, d, cols, Eigen::OuterStride<>(P.K.outer));
-    else
-      S.noalias() = q * ColMap<Scalar>(kp, cols, d, Eigen::OuterStride<>(P.K.outer)).transpose();
+    // The block's heads may span several key/value heads (decoding stacks every head of a
+    // sequence): S's rows of the heads of group g are q_g K_g^T. Reading all of a row-major K's
+    // heads for the same keys reads whole rows: contiguous memory.
+    const Index g_first = blk.h0 / P.group, g_last = (blk.h0 + blk.nh - 1) / P.group;
+    for (Index g = g_first; g <= g_last; ++g) {
+      const Index hs = std::max(blk.h0, g * P.group) - blk.h0;
+      const Index he = std::min(blk.h0 + blk.nh, (g + 1) * P.group) - blk.h0;
+      auto Sg = S.middleRows(hs * rows, (he - hs) * rows);
+      auto qg = q.middleRows(hs * rows, (he - hs) * rows);
+      const Scalar* kp = P.K.at(kb + j0, g * d);
+      if constexpr (KRowMajor) {
+        Sg.noalias() = qg * ColMap<Scalar>(kp, d, cols, Eigen::OuterStride<>(P.K.outer));
+      } else {
+        Sg.noalias() =
+            qg * ColMap<Scalar>(kp, cols, d, Eigen::OuterStride<>(P.K.outer)).transpose();
+      }
+    }
+    // A non-finite key makes its whole score column non-finite (q is finite): checking the
+    // small score tile replaces a scan of K (decoding is bandwidth-bound). A non-finite value
+    // makes the output non-finite (0 * inf is NaN), which `compute` checks.
+    finite = finite && all_finite(S);
     // Diagonal tile: key j is hidden from the rows of position < j - off (a prefix of each
     // stacked head's rows).
     const bool diagonal = P.causal && j0 + cols - 1 > i0 + off;
@@ -279,12 +310,128 @@ void mh_exact_pass(const MhExactProblem<Scalar>& P, const MhBlock& blk, Index sp
       for (Index s = 0; s < blk.nh; ++s) column.segment(s * rows, hidden).setConstant(value);
     };
     online_softmax_update<Scalar>(R, cols, diagonal, hide, ws);
-    const Scalar* vp = P.V.at(kb + j0, blk.kvh * dv);
-    if constexpr (VRowMajor)
-      acc.noalias() += S * RowMap<Scalar>(vp, cols, dv, Eigen::OuterStride<>(P.V.outer));
-    else
-      acc.noalias() += S * ColMap<Scalar>(vp, cols, dv, Eigen::OuterStride<>(P.V.outer));
+    for (Index g = g_first; g <= g_last; ++g) {
+      const Index hs = std::max(blk.h0, g * P.group) - blk.h0;
+      const Index he = std::min(blk.h0 + blk.nh, (g + 1) * P.group) - blk.h0;
+      auto Sg = S.middleRows(hs * rows, (he - hs) * rows);
+      auto accg = acc.middleRows(hs * rows, (he - hs) * rows);
+      const Scalar* vp = P.V.at(kb + j0, g * dv);
+      if constexpr (VRowMajor)
+        accg.noalias() += Sg * RowMap<Scalar>(vp, cols, dv, Eigen::OuterStride<>(P.V.outer));
+      else
+        accg.noalias() += Sg * ColMap<Scalar>(vp, cols, dv, Eigen::OuterStride<>(P.V.outer));
+    }
   }
+  return finite;
+}
+
+/// Per-thread buffers of the multi-head kernel: the tile workspace, and for the decoding kernel
+/// (allocated only when a call has stacked blocks) the scaled queries and the accumulator in
+/// row-major storage, so that its dot products and rank-1 updates run along contiguous rows.
+template <typename Scalar>
+struct MhWorkspace : TileWorkspace<Scalar> {
+  RowMatrix<Scalar> qr;    ///< R x d scaled queries (decoding kernel)
+  RowMatrix<Scalar> accr;  ///< R x dv unnormalised output (decoding kernel)
+  MhWorkspace(Index bq, Index bk, Index d, Index dv, bool decode)
+      : TileWorkspace<Scalar>(bq, bk, d, dv),
+        qr(decode ? bq : 0, decode ? d : 0),
+        accr(decode ? bq : 0, decode ? dv : 0) {}
+};
+
+/// The decoding form of `mh_exact_pass` for row-major K and V and few stacked query rows:
+/// the same online softmax without GEMMs, whose packing would copy every K and V tile to
+/// multiply it by a handful of rows. Key by key, each stacked head's scores are dot products of
+/// contiguous rows (q_r . k_j) and its accumulator gets the rank-1 update p_rj v_j, so K and V
+/// are read once, row after row, as a stream. Same flops as the GEMM form.
+template <typename Scalar>
+bool mh_decode_pass(const MhExactProblem<Scalar>& P, const MhBlock& blk, Index split,
+                    MhWorkspace<Scalar>& ws) {
+  constexpr Scalar ninf = -std::numeric_limits<Scalar>::infinity();
+  const MultiHeadBatch& mb = *P.batch;
+  const std::size_t sb = static_cast<std::size_t>(blk.seq);
+  const Index q0 = mb.q[sb], nq = mb.q[sb + 1] - q0;
+  const Index kb = mb.k[sb], nk = mb.k[sb + 1] - kb;
+  const Index d = mb.d, dv = mb.dv, rows = blk.rows, R = blk.nh * rows, i0 = blk.i0;
+  const Index off = nk - nq;
+  auto qr = ws.qr.topRows(R);
+  auto accr = ws.accr.topRows(R);
+  for (Index s = 0; s < blk.nh; ++s) {
+    const Scalar* p = P.Q.at(q0 + i0, (blk.h0 + s) * d);
+    if (P.Q.row_major)
+      qr.middleRows(s * rows, rows).noalias() =
+          RowMap<Scalar>(p, rows, d, Eigen::OuterStride<>(P.Q.outer)) * P.scale;
+    else
+      qr.middleRows(s * rows, rows).noalias() =
+          ColMap<Scalar>(p, rows, d, Eigen::OuterStride<>(P.Q.outer)) * P.scale;
+  }
+  ws.m.head(R).setConstant(ninf);
+  ws.l.head(R).setZero();
+  ws.acc.topRows(R).setZero();  // rescaled by online_softmax_update, unused here
+  accr.setZero();
+  const Index visible = P.causal ? std::min(nk, i0 + rows + off) : nk;
+  const Index k_begin = visible * split / blk.splits;
+  const Index k_end = visible * (split + 1) / blk.splits;
+  const Index g_first = blk.h0 / P.group, g_last = (blk.h0 + blk.nh - 1) / P.group;
+  bool finite = true;
+  for (Index j0 = k_begin; j0 < k_end; j0 += P.bk) {
+    const Index cols = std::min(P.bk, k_end - j0);
+    auto S = ws.s.topLeftCorner(R, cols);
+    for (Index c = 0; c < cols; ++c) {
+      const Scalar* krow = P.K.at(kb + j0 + c, 0);
+#ifdef PFD
+      if (j0 + c + PFD < k_end) {
+        const Scalar* pf = P.K.at(kb + j0 + c + PFD, g_first * d);
+        for (Index i = 0; i < (g_last - g_first + 1) * d; i += 16) __builtin_prefetch(pf + i, 0, 3);
+      }
+#endif
+      for (Index g = g_first; g <= g_last; ++g) {
+        const Index hs = std::max(blk.h0, g * P.group) - blk.h0;
+        const Index he = std::min(blk.h0 + blk.nh, (g + 1) * P.group) - blk.h0;
+        const Eigen::Map<const Vector<Scalar>> k(krow + g * d, d);
+        S.col(c).segment(hs * rows, (he - hs) * rows).noalias() =
+            qr.middleRows(hs * rows, (he - hs) * rows).lazyProduct(k);
+      }
+    }
+    finite = finite && all_finite(S);
+    const bool diagonal = P.causal && j0 + cols - 1 > i0 + off;
+    auto hide = [&](Index c, auto column, Scalar value) {
+      const Index hidden = std::max<Index>(0, std::min(rows, j0 + c - off - i0));
+      for (Index s = 0; s < blk.nh; ++s) column.segment(s * rows, hidden).setConstant(value);
+    };
+    online_softmax_update<Scalar>(R, cols, diagonal, hide, ws);
+    if (!(ws.alpha.head(R) == Scalar(1)).all()) accr.array().colwise() *= ws.alpha.head(R);
+    // Rank-KU updates (KU keys at a time): each accumulator row is loaded and stored once per
+    // KU keys.
+    constexpr Index KU = 4;
+    for (Index c = 0; c < cols; c += KU) {
+      const Index ku = std::min(KU, cols - c);
+#ifdef PFD
+      if (j0 + c + PFD < k_end)
+        for (Index u = 0; u < std::min(KU, k_end - j0 - c - PFD); ++u) {
+          const Scalar* pf = P.V.at(kb + j0 + c + PFD + u, g_first * dv);
+          for (Index i = 0; i < (g_last - g_first + 1) * dv; i += 16) __builtin_prefetch(pf + i, 0, 3);
+        }
+#endif
+      for (Index g = g_first; g <= g_last; ++g) {
+        const Index hs = std::max(blk.h0, g * P.group) - blk.h0;
+        const Index he = std::min(blk.h0 + blk.nh, (g + 1) * P.group) - blk.h0;
+        using RowV = Eigen::Map<const RowVector<Scalar>>;
+        if (ku == KU) {
+          const RowV v0(P.V.at(kb + j0 + c, g * dv), dv), v1(P.V.at(kb + j0 + c + 1, g * dv), dv),
+              v2(P.V.at(kb + j0 + c + 2, g * dv), dv), v3(P.V.at(kb + j0 + c + 3, g * dv), dv);
+          for (Index r = hs * rows; r < he * rows; ++r)
+            accr.row(r) += S(r, c) * v0 + S(r, c + 1) * v1 + S(r, c + 2) * v2 + S(r, c + 3) * v3;
+        } else {
+          for (Index u = 0; u < ku; ++u) {
+            const RowV v(P.V.at(kb + j0 + c + u, g * dv), dv);
+            for (Index r = hs * rows; r < he * rows; ++r) accr.row(r) += S(r, c + u) * v;
+          }
+        }
+      }
+    }
+  }
+  ws.acc.topRows(R) = accr;
+  return finite;
 }
 
 /// The multi-head exact Tiled kernel (see `MultiHead`): plans the blocks, runs every (block,
@@ -294,13 +441,20 @@ void multi_head_exact(const ExactOptions& opts, const HeadLayout& layout,
                       const PackedView<Scalar>& Q, const PackedView<Scalar>& K,
                       const PackedView<Scalar>& V, const PackedView<Scalar, Scalar*>& out,
                       const MultiHeadBatch& mb, std::vector<ExactResult<Scalar>>& results,
-                      Index& tasks) {
+                      Index& tasks, bool& scores_finite) {
   const Index H = layout.heads, G = layout.kv_heads, group = H / G, B = mb.batch();
   const Index d = mb.d, dv = mb.dv;
   Index max_nk = 1;
   for (Index b = 0; b < B; ++b)
     max_nk =
         std::max(max_nk, mb.k[static_cast<std::size_t>(b + 1)] - mb.k[static_cast<std::size_t>(b)]);
+  // The kernel checks every key and value it reads; a sequence without queries reads none.
+  for (Index b = 0; b < B; ++b) {
+    const std::size_t i = static_cast<std::size_t>(b);
+    if (mb.q[i + 1] > mb.q[i]) continue;
+    if (!slice_finite(K, mb.k[i], mb.k[i + 1] - mb.k[i], 0, K.cols)) check_finite_view(K, "K");
+    if (!slice_finite(V, mb.k[i], mb.k[i + 1] - mb.k[i], 0, V.cols)) check_finite_view(V, "V");
+  }
   // Row capacity of a block and key tile, as the single-head kernel chooses them.
   const TilePlan tiles = plan_tiles(Index(1) << 30, max_nk, d, dv,
                                     static_cast<Index>(sizeof(Scalar)), opts.block_q, opts.block_k);
@@ -318,21 +472,33 @@ void multi_head_exact(const ExactOptions& opts, const HeadLayout& layout,
       r.info = Info::Success;
     }
     if (nq == 0) continue;
-    // Few queries (decoding): stack the query heads of a group so that each key/value tile is
-    // read once per group.
-    const bool stack = group > 1 && 2 * nq <= cap;
-    const Index hpb = stack ? std::min(group, cap / nq) : 1;
-    const Index bq = stack ? nq : std::min(cap, nq);
+    // Few queries (decoding): stack the query heads into one block (whole GQA groups when
+    // they fit), so each key/value tile is read once per block, and the heads' K and V rows for
+    // the same keys are read together: whole rows of a row-major cache, contiguous memory.
+    if (2 * nq <= cap) {
+      Index hpb = std::min(H, cap / nq);
+      if (hpb >= group) hpb -= hpb % group;
+      for (Index c = 0; c < H; c += hpb) {
+        MhBlock blk;
+        blk.seq = b;
+        blk.h0 = c;
+        blk.nh = std::min(hpb, H - c);
+        blk.rows = nq;
+        blk.stacked = true;
+        blocks.push_back(blk);
+      }
+      continue;
+    }
+    // Prefill: one head per block, (kv head, query block, head of the group) order, so that
+    // consecutive tasks read the same key/value tiles.
     for (Index g = 0; g < G; ++g)
-      for (Index i0 = 0; i0 < nq; i0 += bq)
-        for (Index c = 0; c < group; c += hpb) {
+      for (Index i0 = 0; i0 < nq; i0 += cap)
+        for (Index c = 0; c < group; ++c) {
           MhBlock blk;
           blk.seq = b;
-          blk.kvh = g;
           blk.h0 = g * group + c;
-          blk.nh = std::min(hpb, group - c);
           blk.i0 = i0;
-          blk.rows = std::min(bq, nq - i0);
+          blk.rows = std::min(cap, nq - i0);
           blocks.push_back(blk);
         }
   }
@@ -384,7 +550,7 @@ void multi_head_exact(const ExactOptions& opts, const HeadLayout& layout,
   P.scale = static_cast<Scalar>(resolve_scale(opts.scale, d));
   P.causal = opts.causal;
   using Pass =
-      void (*)(const MhExactProblem<Scalar>&, const MhBlock&, Index, TileWorkspace<Scalar>&);
+      bool (*)(const MhExactProblem<Scalar>&, const MhBlock&, Index, TileWorkspace<Scalar>&);
   const Pass pass =
       K.row_major
           ? (V.row_major ? &mh_exact_pass<Scalar, true, true> : &mh_exact_pass<Scalar, true, false>)
@@ -400,11 +566,17 @@ void multi_head_exact(const ExactOptions& opts, const HeadLayout& layout,
           lse.segment(s * blk.rows, blk.rows);
     }
   };
-  auto make_ws = [&] { return TileWorkspace<Scalar>(cap, bk, d, dv); };
-  parallel_for(tasks, make_ws, [&](Index t, TileWorkspace<Scalar>& ws) {
+  bool any_stacked = false;
+  for (const MhBlock& blk : blocks) any_stacked = any_stacked || blk.stacked;
+  const bool decode_kernel = any_stacked && K.row_major && V.row_major;
+  auto make_ws = [&] { return MhWorkspace<Scalar>(cap, bk, d, dv, decode_kernel); };
+  std::vector<char> finite(static_cast<std::size_t>(tasks), 1);
+  parallel_for(tasks, make_ws, [&](Index t, MhWorkspace<Scalar>& ws) {
     const MhBlock& blk = blocks[static_cast<std::size_t>(task_block[static_cast<std::size_t>(t)])];
     const Index split = task_split[static_cast<std::size_t>(t)];
-    pass(P, blk, split, ws);
+    const bool ok =
+        decode_kernel && blk.stacked ? mh_decode_pass(P, blk, split, ws) : pass(P, blk, split, ws);
+    finite[static_cast<std::size_t>(t)] = ok ? 1 : 0;
     const Index R = blk.nh * blk.rows;
     if (blk.splits == 1) {
       // Normalise through a workspace vector (as the single-head kernel does).
@@ -419,6 +591,7 @@ void multi_head_exact(const ExactOptions& opts, const HeadLayout& layout,
       st.acc[static_cast<std::size_t>(split)] = ws.acc.topRows(R);
     }
   });
+  scores_finite = std::find(finite.begin(), finite.end(), 0) == finite.end();
   if (!states.empty()) {
     std::vector<Index> split_blocks;
     for (Index i = 0; i < nblocks; ++i)
@@ -490,7 +663,9 @@ MultiHeadResult<F, (DQ::IsRowMajor ? Eigen::RowMajor : Eigen::ColMajor)> MultiHe
                                 b, " has ", mb.q[i + 1] - mb.q[i], " queries and ",
                                 mb.k[i + 1] - mb.k[i], " keys"));
     }
-    detail::multi_head_exact<Scalar>(o, m_layout, qv, kv, vv, ov, mb, r.head_results, r.tasks);
+    bool scores_finite = true;
+    detail::multi_head_exact<Scalar>(o, m_layout, qv, kv, vv, ov, mb, r.head_results, r.tasks,
+                                     scores_finite);
     r.info = Info::Success;
     for (Index b = 0; b < mb.batch() && r.info == Info::Success; ++b) {
       const Index q0 = mb.q[static_cast<std::size_t>(b)];
@@ -506,7 +681,15 @@ MultiHeadResult<F, (DQ::IsRowMajor ? Eigen::RowMajor : Eigen::ColMajor)> MultiHe
         }
       }
     }
+    // Non-finite scores or output: a non-finite key or value throws invalid_argument here
+    // (the inputs are scanned only then); otherwise it was an overflow (info says so).
+    if (!scores_finite || r.info != Info::Success) {
+      detail::check_finite_view(kv, "K");
+      detail::check_finite_view(vv, "V");
+    }
   } else {
+    detail::check_finite_view(kv, "K");
+    detail::check_finite_view(vv, "V");
     r.tasks = mb.batch() * H;
     detail::run_per_head<F>(
         qv, mb.q, H, mb.d, mb.dv, ov, r.head_results, r.info,
