@@ -93,11 +93,12 @@ TEST_CASE("Tiled backward allocates nothing n x m, and a tile-count-independent 
     INFO("causal " << causal << ": peak extra heap " << s.peak << " B, largest block " << s.largest
                    << " B, " << s.count << " allocations; n x m float scores would be "
                    << scores_bytes << " B");
-    // dQ, dK, dV, s Q, K^T, V^T: six n x d float matrices of 2 MiB, plus per-thread tiles.
+    // dQ, dK, dV, s Q, K^T, V^T and 3 partial dQ sums: nine n x d float matrices of 2 MiB, plus
+    // per-thread tiles.
     CHECK(s.largest <= static_cast<long long>(n * d * 4) + 4096);
-    CHECK(s.peak < 16LL * 1024 * 1024);
-    // Allocations per call and per thread (inputs prepared once, one workspace per thread for all
-    // the wavefront steps), never per tile: the same count at 1/4 of the size (16x fewer tiles).
+    CHECK(s.peak < 24LL * 1024 * 1024);
+    // Allocations per call and per thread (inputs prepared once, one workspace per thread), never
+    // per tile: the same count at 1/4 of the size (16x fewer tiles).
     const auto small = workloads::make<float>(workloads::Kind::Gaussian, n / 4, d, 5);
     const ExactResult<float> rs = f.compute(small.Q, small.K, small.V);
     const Matrix<float> dOs = dO.topRows(n / 4);

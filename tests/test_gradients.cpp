@@ -3,6 +3,7 @@
 #include "test_utils.hpp"
 
 #include <effattn/conv_basis.hpp>
+#include <effattn/eva.hpp>
 #include <effattn/exact.hpp>
 
 #include <cstdint>
@@ -369,4 +370,50 @@ TEST_CASE("Conv-Basis backward rejects bad dO and mismatched results", "[gradien
   CHECK_THROWS_AS(f.backward(p.Q, p.K, p.V, bad, p.G), effattn::invalid_argument);
   const auto other = f.compute(p.Q.topRows(20), p.K.topRows(20), p.V.topRows(20));
   CHECK_THROWS_AS(f.backward(p.Q, p.K, p.V, other, p.G), effattn::invalid_argument);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Performer.
+
+TEST_CASE("Performer backward matches central finite differences of its forward",
+          "[gradients][performer]") {
+  // The features are fixed by the seed, so the forward is a smooth function of Q, K, V: 1e-6
+  // relative (the issue's bar).
+  for (const Index m : {32, 45}) {
+    PerformerOptions o;
+    o.samples = 16;
+    const Problem p = make_problem(32, m, 4, 3, false, 900 + static_cast<unsigned>(m));
+    const Forward fwd = [o](const Matrix<double>& Q, const Matrix<double>& K,
+                            const Matrix<double>& V, const Vector<double>&) {
+      auto r = PerformerAttentiond(o).compute(Q, K, V);
+      REQUIRE(r.info == Info::Success);
+      return r.output;
+    };
+    const FdGradients fd = finite_differences(p, fwd);
+    const PerformerAttentiond f(o);
+    const auto g = f.backward(p.Q, p.K, p.V, f.compute(p.Q, p.K, p.V), p.G);
+    INFO("m " << m);
+    check_close(g.dQ, fd.dQ, 1e-6, "dQ");
+    check_close(g.dK, fd.dK, 1e-6, "dK");
+    check_close(g.dV, fd.dV, 1e-6, "dV");
+  }
+}
+
+TEST_CASE("Performer backward: float agrees with double; bad dO throws", "[gradients][performer]") {
+  const Problem p = make_problem(200, 300, 16, 8, false, 4);
+  PerformerOptions o;
+  o.samples = 64;
+  const PerformerAttentiond fd(o);
+  const PerformerAttentionf ff(o);
+  const auto gd = fd.backward(p.Q, p.K, p.V, fd.compute(p.Q, p.K, p.V), p.G);
+  const Matrix<float> Q = p.Q.cast<float>(), K = p.K.cast<float>(), V = p.V.cast<float>(),
+                      G = p.G.cast<float>();
+  const auto rf = ff.compute(Q, K, V);
+  const auto gf = ff.backward(Q, K, V, rf, G);
+  // Float inputs and features, double arithmetic inside: measured ~1e-6.
+  check_close(gf.dQ, gd.dQ, 1e-4, "dQ");
+  check_close(gf.dK, gd.dK, 1e-4, "dK");
+  check_close(gf.dV, gd.dV, 1e-4, "dV");
+  CHECK_THROWS_AS(ff.backward(Q, K, V, rf, G.topRows(199)), effattn::invalid_argument);
+  CHECK_THROWS_AS(ff.backward(Q, K, V, rf, G.leftCols(7)), effattn::invalid_argument);
 }

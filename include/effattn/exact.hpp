@@ -175,14 +175,13 @@ class ExactAttention {
   ///   per tile: S = (s Q_b) K_t^T, dP = dO_b V_t^T, dV_t += P^T dO_b, then with
   ///   dS = P o (dP - D_b): dK_t += dS^T (s Q_b) and dQ_b += dS K_t. 10 n m d flops for d = dv
   ///   (2.5x the forward's 4 n m d; about half of both with `causal`, whose hidden tiles are
-  ///   skipped). Extra memory O((n + m) d) (s Q, K^T, V^T, D) plus O(threads bq bk) workspace:
-  ///   nothing n x m. Parallel schedule without atomics (a wavefront): with Qb query blocks and
-  ///   Kb key tiles, step w = 0 .. max(Qb, Kb) - 1 runs min(Qb, Kb) tile tasks in parallel, task
-  ///   l taking the pair (b, t) = ((l + w) mod Qb, l) when Kb <= Qb, else (l, (l + w) mod Kb), so
-  ///   that within one step no two tasks share a query block or a key tile, and every pair is
-  ///   visited exactly once. Each dQ_b, dK_t, dV_t therefore accumulates its tiles in step
-  ///   order: the result is bit-identical for any thread count. With a single query block (or
-  ///   key tile) the steps run one task each (serial).
+  ///   skipped). Extra memory O((n + m) d): s Q, K^T, V^T, D and 3 partial dQ sums (see below),
+  ///   plus O(threads bq bk) workspace; nothing n x m. Parallel without atomics over 4 key
+  ///   groups (a constant, never the thread count): group g owns the key tiles t = g, g + 4, ...
+  ///   (interleaved, which balances the causal triangle), loops over the query blocks in order
+  ///   accumulating its dK_t, dV_t and its own partial dQ, and the partials are added in group
+  ///   order at the end. One parallel region per call; the result is bit-identical for any
+  ///   thread count. The parallelism is min(4, key tiles) tasks.
   /// - **Naive**: the reference, in double: P materialised (n x m doubles), the same formulas as
   ///   dense products, D = rowsum(P o dP); `result` is only checked, not used. 2 n m (2 d + 3 dv)
   ///   flops.

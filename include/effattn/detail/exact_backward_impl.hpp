@@ -1,15 +1,12 @@
 /// \file exact_backward_impl.hpp
 /// \brief Implementation of `ExactAttention::backward` (exact.hpp): the Naive reference backward
-/// in double, the tiled flash-style backward with its wavefront schedule, and the member
+/// in double, the tiled flash-style backward with its key-group schedule, and the member
 /// definitions.
 #pragma once
 
 #include <algorithm>
 #include <cmath>
-#include <functional>
 #include <limits>
-#include <memory>
-#include <mutex>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -47,54 +44,11 @@ void exact_naive_backward(const ConstRef<Scalar>& Q, const ConstRef<Scalar>& K,
   if (bias != nullptr) g.dbias = dS.colwise().sum().transpose().template cast<Scalar>();
 }
 
-/// A fixed set of workspaces handed out to the threads of successive parallel regions, so that a
-/// loop of many short `parallel_for` calls allocates its workspaces once per call of the kernel,
-/// not once per region. `Lease` (the workspace type given to `parallel_for`) takes a free
-/// workspace for the lifetime of one thread's part of a region and returns it at the end; a new
-/// one is built only when every existing one is in use.
-template <typename W>
-class WorkspacePool {
- public:
-  /// Workspaces are built by `make()` (returning a W by value) when needed.
-  template <typename Make>
-  explicit WorkspacePool(Make make) : m_make([make] { return std::make_unique<W>(make()); }) {}
-
-  /// One thread's claim on a workspace, for the duration of one parallel region.
-  class Lease {
-   public:
-    /// Takes a free workspace from `pool` (building one if none is free).
-    explicit Lease(WorkspacePool& pool) : m_pool(pool), m_ws(pool.take()) {}
-    ~Lease() { m_pool.give_back(m_ws); }
-    Lease(const Lease&) = delete;
-    Lease& operator=(const Lease&) = delete;
-    W& get() { return *m_ws; }  ///< the workspace
-
-   private:
-    WorkspacePool& m_pool;
-    W* m_ws;
-  };
-
- private:
-  W* take() {
-    std::lock_guard<std::mutex> lock(m_mutex);
-    if (m_free.empty()) {
-      m_all.push_back(m_make());
-      return m_all.back().get();
-    }
-    W* w = m_free.back();
-    m_free.pop_back();
-    return w;
-  }
-  void give_back(W* w) {
-    std::lock_guard<std::mutex> lock(m_mutex);
-    m_free.push_back(w);
-  }
-
-  std::function<std::unique_ptr<W>()> m_make;
-  std::vector<std::unique_ptr<W>> m_all;
-  std::vector<W*> m_free;
-  std::mutex m_mutex;
-};
+/// Key groups of the tiled backward (see `tiled_backward`): the parallelism of the backward, and
+/// the number of n x d partial dQ sums (G - 1 besides dQ itself). A fixed constant, never the
+/// thread count, so that results are bit-identical for any number of threads; 4 keeps both cores
+/// of the target machine busy (with dynamic scheduling) for (G - 1) n d extra scalars.
+constexpr Index kBackwardKeyGroups = 4;
 
 /// Per-thread buffers of the tiled backward: O(bq bk) scalars plus bk doubles.
 template <typename Scalar>
@@ -124,9 +78,11 @@ struct BackwardProblem {
 };
 
 /// One (query block b, key tile t) pair of the tiled backward (see `ExactAttention::backward`):
-/// five GEMMs on bq x bk tiles, nothing when the tile is entirely hidden by the causal mask.
+/// five GEMMs on bq x bk tiles, nothing when the tile is entirely hidden by the causal mask. The
+/// dQ rows go to `dQ` (the key group's partial sum).
 template <typename Scalar>
-void backward_tile(BackwardProblem<Scalar>& pr, Index b, Index t, BackwardWorkspace<Scalar>& ws) {
+void backward_tile(BackwardProblem<Scalar>& pr, Index b, Index t, BackwardWorkspace<Scalar>& ws,
+                   Matrix<Scalar>& dQ) {
   constexpr Scalar ninf = -std::numeric_limits<Scalar>::infinity();
   const Index n = pr.Qs.rows(), m = pr.Kt.cols(), d = pr.Qs.cols(), dv = pr.Vt.rows();
   const Index off = m - n;  // causal: row i sees keys j <= i + off
@@ -157,7 +113,7 @@ void backward_tile(BackwardProblem<Scalar>& pr, Index b, Index t, BackwardWorksp
   pr.dV.middleRows(j0, cols).noalias() += P.transpose() * dO_b;
   for (Index c = 0; c < cols; ++c) dS.col(c).array() = P.col(c).array() * (dS.col(c).array() - D_b);
   pr.dK.middleRows(j0, cols).noalias() += dS.transpose() * Qs_b;
-  pr.dQ.middleRows(i0, rows).noalias() += dS * pr.K.middleRows(j0, cols);
+  dQ.middleRows(i0, rows).noalias() += dS * pr.K.middleRows(j0, cols);
   if (pr.dbias != nullptr)
     for (Index c = 0; c < cols; ++c) (*pr.dbias)(j0 + c) += dS.col(c).template cast<double>().sum();
 }
@@ -190,19 +146,23 @@ void tiled_backward(const ConstRef<Scalar>& Q, const ConstRef<Scalar>& K, const 
     pr.D = Dd.template cast<Scalar>().matrix();
   }
 
+  // Key groups: group grp owns the key tiles t = grp, grp + G, ... (interleaved, which balances
+  // the causal triangle) and runs their query blocks in order, accumulating its own dK_t, dV_t
+  // rows and its own partial dQ (group 0 writes g.dQ directly); the partials are added in group
+  // order afterwards. G depends only on the shape, so the sums are bit-identical for any thread
+  // count.
   const Index qb = (n + plan.bq - 1) / plan.bq, kb = (m + plan.bk - 1) / plan.bk;
-  const Index steps = std::max(qb, kb), lanes = std::min(qb, kb);
-  using Pool = WorkspacePool<BackwardWorkspace<Scalar>>;
-  Pool pool([&] { return BackwardWorkspace<Scalar>(plan.bq, plan.bk); });
-  for (Index w = 0; w < steps; ++w) {
-    parallel_for(
-        lanes, [&] { return typename Pool::Lease(pool); },
-        [&](Index l, typename Pool::Lease& lease) {
-          const Index b = kb <= qb ? (l + w) % qb : l;
-          const Index t = kb <= qb ? l : (l + w) % kb;
-          backward_tile<Scalar>(pr, b, t, lease.get());
-        });
-  }
+  const Index groups = std::min(kb, kBackwardKeyGroups);
+  std::vector<Matrix<Scalar>> dq_part(static_cast<std::size_t>(groups - 1));
+  parallel_for(
+      groups, [&] { return BackwardWorkspace<Scalar>(plan.bq, plan.bk); },
+      [&](Index grp, BackwardWorkspace<Scalar>& ws) {
+        Matrix<Scalar>& dq = grp == 0 ? g.dQ : dq_part[static_cast<std::size_t>(grp - 1)];
+        if (grp > 0) dq.setZero(n, d);
+        for (Index t = grp; t < kb; t += groups)
+          for (Index b = 0; b < qb; ++b) backward_tile<Scalar>(pr, b, t, ws, dq);
+      });
+  for (const auto& part : dq_part) g.dQ += part;
   g.dQ *= scale;
   if (bias != nullptr) g.dbias = dbias.template cast<Scalar>().matrix();
 }
