@@ -204,6 +204,12 @@ struct EvaResult : AttentionResult<Scalar> {
 /// auto r = effattn::EvaAttentionf(o).compute(Q, K, V);   // r.output: 4096 x 64
 /// \endcode
 ///
+/// \par Gradients
+/// No `backward` yet (only `PerformerAttention` has one): in deterministic mode (`samples` = 0)
+/// the output is smooth in Q, K, V, but its chunk proposals, control-variate coefficients and
+/// exact local blocks make the chain rule a sizeable kernel of its own, not the few feature
+/// products of the Performer's.
+///
 /// \par Threading
 /// `compute` is const and keeps no state: one functor may be shared by any number of threads.
 template <typename Scalar_, typename Policy = policy::ControlVariates>
