@@ -18,17 +18,17 @@
 namespace effattn {
 namespace detail {
 
-/// The Naive kernel, computed entirely in double: S = (s Q) K^T + 1 b^T with the causal mask as
-/// -inf, P = row_softmax(S) (max-subtracted, sums in double), O = P V, lse = the row
-/// log-sum-exp values. 2 n m (d + dv) flops, n m doubles of memory.
+/// The softmax probabilities of the Naive kernel, in double: S = (s Q) K^T + 1 b^T with the
+/// causal mask as -inf, replaced in place by row_softmax(S) (max-subtracted, sums in double);
+/// returns the row log-sum-exp values. n m doubles of memory, 2 n m d flops. Shared by the Naive
+/// forward and backward.
 template <typename Scalar>
-void exact_naive(const ConstRef<Scalar>& Q, const ConstRef<Scalar>& K, const ConstRef<Scalar>& V,
-                 const Scalar* bias, double scale, bool causal, Matrix<Scalar>& out,
-                 Vector<Scalar>& lse) {
-  using MatD = Matrix<double>;
+Vector<double> naive_probabilities(const ConstRef<Scalar>& Q, const ConstRef<Scalar>& K,
+                                   const Scalar* bias, double scale, bool causal,
+                                   Matrix<double>& S) {
   const Index n = Q.rows(), m = K.rows();
   const Index off = m - n;
-  MatD S = (Q.template cast<double>() * scale) * K.template cast<double>().transpose();
+  S.noalias() = (Q.template cast<double>() * scale) * K.template cast<double>().transpose();
   if (bias != nullptr)
     for (Index j = 0; j < m; ++j) S.col(j).array() += static_cast<double>(bias[j]);
   if (causal)
@@ -36,8 +36,18 @@ void exact_naive(const ConstRef<Scalar>& Q, const ConstRef<Scalar>& K, const Con
       const Index hidden = std::min(n, std::max<Index>(0, j - off));  // rows i < j - off
       S.col(j).head(hidden).setConstant(-std::numeric_limits<double>::infinity());
     }
-  const Vector<double> lse_d = row_softmax_inplace(S);
-  const MatD O = S * V.template cast<double>();
+  return row_softmax_inplace(S);
+}
+
+/// The Naive kernel, computed entirely in double: P = `naive_probabilities`, O = P V, lse = the
+/// row log-sum-exp values. 2 n m (d + dv) flops, n m doubles of memory.
+template <typename Scalar>
+void exact_naive(const ConstRef<Scalar>& Q, const ConstRef<Scalar>& K, const ConstRef<Scalar>& V,
+                 const Scalar* bias, double scale, bool causal, Matrix<Scalar>& out,
+                 Vector<Scalar>& lse) {
+  Matrix<double> S;
+  const Vector<double> lse_d = naive_probabilities<Scalar>(Q, K, bias, scale, causal, S);
+  const Matrix<double> O = S * V.template cast<double>();
   out = O.template cast<Scalar>();
   lse = lse_d.template cast<Scalar>();
 }
@@ -47,9 +57,15 @@ void exact_naive(const ConstRef<Scalar>& Q, const ConstRef<Scalar>& K, const Con
 template <typename Scalar_, typename Policy>
 typename ExactAttention<Scalar_, Policy>::Result ExactAttention<Scalar_, Policy>::compute(
     const Ref& Q, const Ref& K, const Ref& V, const ConstVectorRef<Scalar>& key_bias) const {
-  EFFATTN_CHECK(key_bias.size() == K.rows(),
-                detail::cat(name, ": key_bias must have m = K.rows() = ", K.rows(),
-                            " entries; got ", key_bias.size()));
+  check_key_bias(key_bias, Q.rows(), K.rows());
+  return run(Q, K, V, key_bias.data());
+}
+
+template <typename Scalar_, typename Policy>
+void ExactAttention<Scalar_, Policy>::check_key_bias(const ConstVectorRef<Scalar>& key_bias,
+                                                     Index n, Index m) const {
+  EFFATTN_CHECK(key_bias.size() == m, detail::cat(name, ": key_bias must have m = K.rows() = ", m,
+                                                  " entries; got ", key_bias.size()));
   Index first_visible = -1;
   for (Index j = 0; j < key_bias.size(); ++j) {
     const Scalar b = key_bias(j);
@@ -59,24 +75,29 @@ typename ExactAttention<Scalar_, Policy>::Result ExactAttention<Scalar_, Policy>
     if (first_visible < 0 && std::isfinite(b)) first_visible = j;
   }
   // Query 0 sees the fewest keys: 0 .. m - n with `causal`, all of them otherwise.
-  const Index last_allowed = m_opts.causal ? K.rows() - Q.rows() : K.rows() - 1;
+  const Index last_allowed = m_opts.causal ? m - n : m - 1;
   EFFATTN_CHECK(
       first_visible >= 0 && first_visible <= last_allowed,
       detail::cat(name, ": key_bias masks every key visible to query 0 (first unmasked key: ",
                   first_visible, ")"));
-  return run(Q, K, V, key_bias.data());
 }
 
 template <typename Scalar_, typename Policy>
-typename ExactAttention<Scalar_, Policy>::Result ExactAttention<Scalar_, Policy>::run(
-    const Ref& Q, const Ref& K, const Ref& V, const Scalar* bias) const {
+double ExactAttention<Scalar_, Policy>::check_inputs(const Ref& Q, const Ref& K,
+                                                     const Ref& V) const {
   detail::check_attention_inputs(Q, K, V, name);
   EFFATTN_CHECK(!m_opts.causal || K.rows() >= Q.rows(),
                 detail::cat(name,
                             ": causal attention needs m >= n (query i sees keys j <= i + m - n, "
                             "so the first n - m queries would see none); got n = ",
                             Q.rows(), ", m = ", K.rows()));
-  const double scale = detail::resolve_scale(m_opts.scale, Q.cols());
+  return detail::resolve_scale(m_opts.scale, Q.cols());
+}
+
+template <typename Scalar_, typename Policy>
+typename ExactAttention<Scalar_, Policy>::Result ExactAttention<Scalar_, Policy>::run(
+    const Ref& Q, const Ref& K, const Ref& V, const Scalar* bias) const {
+  const double scale = check_inputs(Q, K, V);
   Result r;
   if constexpr (std::is_same_v<Policy, policy::Naive>) {
     detail::exact_naive<Scalar>(Q, K, V, bias, scale, m_opts.causal, r.output, r.lse);
