@@ -157,16 +157,20 @@ class MultiHead {
   /// documentation). Q: T_q x (heads d), K: T_k x (kv_heads d), V: T_k x (kv_heads dv).
   /// `cu_seqlens_q` / `cu_seqlens_k`: B + 1 offsets each (empty: one sequence; an empty
   /// `cu_seqlens_k` with a multi-sequence `cu_seqlens_q` means the same offsets).
+  /// `seqused_k` (B values, optional; flash-attention's name): sequence b uses only the first
+  /// seqused_k[b] rows of its key region [cu_seqlens_k[b], cu_seqlens_k[b + 1]), so a KV cache
+  /// preallocated per sequence is passed as it is and a decoding step appends by writing rows.
   /// \returns the output in Q's storage order, `info`, and the per-(sequence, head) Results.
   /// \throws effattn::invalid_argument naming the argument: widths not divisible by the head
   ///         counts, offsets that do not start at 0, decrease or do not end at the row count,
-  ///         different batch sizes, a sequence with queries but no keys, non-finite entries, and
-  ///         whatever F rejects for one (sequence, head) (the message names them).
+  ///         different batch sizes, `seqused_k` of the wrong size or beyond a region, a sequence
+  ///         with queries but no keys, non-finite entries, and whatever F rejects for one
+  ///         (sequence, head) (the message names them).
   template <typename DQ, typename DK, typename DV>
   [[nodiscard]] MultiHeadResult<F, (DQ::IsRowMajor ? Eigen::RowMajor : Eigen::ColMajor)> compute(
       const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
       const Eigen::MatrixBase<DV>& V, const SeqOffsets& cu_seqlens_q = {},
-      const SeqOffsets& cu_seqlens_k = {}) const;
+      const SeqOffsets& cu_seqlens_k = {}, const std::vector<Index>& seqused_k = {}) const;
 
   /// WildCat only: compresses every (sequence, key/value head) of a packed K, V
   /// (`WildcatAttention::compress_kv` per head, in parallel). \returns the caches, index
