@@ -507,16 +507,22 @@ void multi_head_exact(const ExactOptions& opts, const HeadLayout& layout,
       }
       continue;
     }
-    // Prefill: one head per block, (kv head, query block, head of the group) order, so that
-    // consecutive tasks read the same key/value tiles.
+    // Prefill: with GQA, the query heads of a group are stacked (cap / group rows each, at
+    // least 16), so every K and V tile a GEMM packs serves the whole group: a quarter of the
+    // packing of one head per block at GQA 4 (row-major K and V tiles are a page per key).
+    // Otherwise one head per block. (kv head, query block, head chunk) order: consecutive tasks
+    // read the same key/value tiles.
+    const Index hpg = group > 1 && cap / group >= 16 ? group : 1;
+    const Index bqh = cap / hpg;
     for (Index g = 0; g < G; ++g)
-      for (Index i0 = 0; i0 < nq; i0 += cap)
-        for (Index c = 0; c < group; ++c) {
+      for (Index i0 = 0; i0 < nq; i0 += bqh)
+        for (Index c = 0; c < group; c += hpg) {
           MhBlock blk;
           blk.seq = b;
           blk.h0 = g * group + c;
+          blk.nh = hpg;
           blk.i0 = i0;
-          blk.rows = std::min(cap, nq - i0);
+          blk.rows = std::min(bqh, nq - i0);
           blocks.push_back(blk);
         }
   }
@@ -692,8 +698,10 @@ MultiHeadResult<F, (DQ::IsRowMajor ? Eigen::RowMajor : Eigen::ColMajor)> MultiHe
       if (nq == 0) continue;
       for (Index h = 0; h < H; ++h) {
         auto& hr = r.head_results[static_cast<std::size_t>(b * H + h)];
-        const bool ok = detail::all_finite(r.output.block(q0, h * mb.dv, nq, mb.dv)) &&
-                        detail::all_finite(hr.lse);
+        // Read in storage order (a row-major output's columns are strided).
+        const detail::PackedView<Scalar> cv{ov.data, ov.rows, ov.cols, ov.outer, ov.row_major};
+        const bool ok =
+            detail::slice_finite(cv, q0, nq, h * mb.dv, mb.dv) && detail::all_finite(hr.lse);
         if (!ok) {
           hr.info = Info::NumericalIssue;
           r.info = Info::NumericalIssue;
