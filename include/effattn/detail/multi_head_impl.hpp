@@ -7,6 +7,7 @@
 #include <cmath>
 #include <limits>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "../core/online_softmax.hpp"
@@ -263,6 +264,60 @@ struct MhExactProblem {
   bool causal = false;
 };
 
+/// The index ranges of one (block, split) task.
+struct MhTask {
+  Index q0 = 0, nq = 0, kb = 0, nk = 0;  ///< query / key rows of the sequence
+  Index off = 0;                         ///< causal: row i sees keys j <= i + off
+  Index rows = 0, R = 0, i0 = 0;         ///< rows per head, stacked rows, first position
+  Index k_begin = 0, k_end = 0;          ///< the split's key range
+  Index g_first = 0, g_last = 0;         ///< the key/value heads the block reads
+
+  MhTask(const MultiHeadBatch& mb, Index group, bool causal, const MhBlock& blk, Index split) {
+    const std::size_t sb = static_cast<std::size_t>(blk.seq);
+    q0 = mb.q[sb];
+    nq = mb.q[sb + 1] - q0;
+    kb = mb.k[sb];
+    nk = mb.k_len[sb];
+    off = nk - nq;
+    rows = blk.rows;
+    R = blk.nh * rows;
+    i0 = blk.i0;
+    const Index visible = causal ? std::min(nk, i0 + rows + off) : nk;
+    k_begin = visible * split / blk.splits;
+    k_end = visible * (split + 1) / blk.splits;
+    g_first = blk.h0 / group;
+    g_last = (blk.h0 + blk.nh - 1) / group;
+  }
+  /// Stacked rows [first, first + count) of the block's heads that read key/value head g.
+  std::pair<Index, Index> group_rows(const MhBlock& blk, Index group, Index g) const {
+    const Index hs = std::max(blk.h0, g * group) - blk.h0;
+    const Index he = std::min(blk.h0 + blk.nh, (g + 1) * group) - blk.h0;
+    return {hs * rows, (he - hs) * rows};
+  }
+  /// Writes the block's scaled queries into `q` (R x d, head s in rows [s rows, (s + 1) rows)).
+  template <typename Scalar, typename Dst>
+  void load_queries(const PackedView<Scalar>& Q, Scalar scale, const MhBlock& blk, Index d,
+                    Dst&& q) const {
+    for (Index s = 0; s < blk.nh; ++s) {
+      const Scalar* p = Q.at(q0 + i0, (blk.h0 + s) * d);
+      if (Q.row_major)
+        q.middleRows(s * rows, rows).noalias() =
+            RowMap<Scalar>(p, rows, d, Eigen::OuterStride<>(Q.outer)) * scale;
+      else
+        q.middleRows(s * rows, rows).noalias() =
+            ColMap<Scalar>(p, rows, d, Eigen::OuterStride<>(Q.outer)) * scale;
+    }
+  }
+  /// The causal mask of tile [j0, ...): key j hidden from the rows of position < j - off (a
+  /// prefix of each stacked head's rows); `hide(c, column, value)` for online_softmax_update.
+  auto hider(const MhBlock& blk, Index j0) const {
+    return [this, &blk, j0](Index c, auto column, auto value) {
+      const Index hidden = std::max<Index>(0, std::min(rows, j0 + c - off - i0));
+      for (Index s = 0; s < blk.nh; ++s) column.segment(s * rows, hidden).setConstant(value);
+    };
+  }
+};
+
 /// Online-softmax pass of one block over key split `split` (see `online_softmax_block`, of which
 /// this is the multi-head form: stacked heads, K and V read through strided maps). K is read as
 /// K^T tiles: a row-major K's head slice transposed is a column-major map (no copy); a
@@ -272,73 +327,47 @@ struct MhExactProblem {
 template <typename Scalar, bool KRowMajor, bool VRowMajor>
 bool mh_exact_pass(const MhExactProblem<Scalar>& P, const MhBlock& blk, Index split,
                    TileWorkspace<Scalar>& ws) {
-  constexpr Scalar ninf = -std::numeric_limits<Scalar>::infinity();
   const MultiHeadBatch& mb = *P.batch;
-  const std::size_t sb = static_cast<std::size_t>(blk.seq);
-  const Index q0 = mb.q[sb], nq = mb.q[sb + 1] - q0;
-  const Index kb = mb.k[sb], nk = mb.k_len[sb];
-  const Index d = mb.d, dv = mb.dv, rows = blk.rows, R = blk.nh * rows, i0 = blk.i0;
-  const Index off = nk - nq;  // causal: row i sees keys j <= i + off
+  const MhTask t(mb, P.group, P.causal, blk, split);
+  const Index d = mb.d, dv = mb.dv, R = t.R;
   auto q = ws.q.topRows(R);
   auto acc = ws.acc.topRows(R);
-  for (Index s = 0; s < blk.nh; ++s) {
-    const Scalar* p = P.Q.at(q0 + i0, (blk.h0 + s) * d);
-    if (P.Q.row_major)
-      q.middleRows(s * rows, rows).noalias() =
-          RowMap<Scalar>(p, rows, d, Eigen::OuterStride<>(P.Q.outer)) * P.scale;
-    else
-      q.middleRows(s * rows, rows).noalias() =
-          ColMap<Scalar>(p, rows, d, Eigen::OuterStride<>(P.Q.outer)) * P.scale;
-  }
-  ws.m.head(R).setConstant(ninf);
+  t.load_queries(P.Q, P.scale, blk, d, q);
+  ws.m.head(R).setConstant(-std::numeric_limits<Scalar>::infinity());
   ws.l.head(R).setZero();
   acc.setZero();
-  const Index visible = P.causal ? std::min(nk, i0 + rows + off) : nk;
-  const Index k_begin = visible * split / blk.splits;
-  const Index k_end = visible * (split + 1) / blk.splits;
   bool finite = true;
-  for (Index j0 = k_begin; j0 < k_end; j0 += P.bk) {
-    const Index cols = std::min(P.bk, k_end - j0);
+  for (Index j0 = t.k_begin; j0 < t.k_end; j0 += P.bk) {
+    const Index cols = std::min(P.bk, t.k_end - j0);
     auto S = ws.s.topLeftCorner(R, cols);
     // The block's heads may span several key/value heads (decoding stacks every head of a
-    // sequence): S's rows of the heads of group g are q_g K_g^T. Reading all of a row-major K's
-    // heads for the same keys reads whole rows: contiguous memory.
-    const Index g_first = blk.h0 / P.group, g_last = (blk.h0 + blk.nh - 1) / P.group;
-    for (Index g = g_first; g <= g_last; ++g) {
-      const Index hs = std::max(blk.h0, g * P.group) - blk.h0;
-      const Index he = std::min(blk.h0 + blk.nh, (g + 1) * P.group) - blk.h0;
-      auto Sg = S.middleRows(hs * rows, (he - hs) * rows);
-      auto qg = q.middleRows(hs * rows, (he - hs) * rows);
-      const Scalar* kp = P.K.at(kb + j0, g * d);
-      if constexpr (KRowMajor) {
-        Sg.noalias() = qg * ColMap<Scalar>(kp, d, cols, Eigen::OuterStride<>(P.K.outer));
-      } else {
-        Sg.noalias() =
-            qg * ColMap<Scalar>(kp, cols, d, Eigen::OuterStride<>(P.K.outer)).transpose();
-      }
+    // sequence): S's rows of the heads of group g are q_g K_g^T.
+    for (Index g = t.g_first; g <= t.g_last; ++g) {
+      const auto [r0, nr] = t.group_rows(blk, P.group, g);
+      const Scalar* kp = P.K.at(t.kb + j0, g * d);
+      if constexpr (KRowMajor)
+        S.middleRows(r0, nr).noalias() =
+            q.middleRows(r0, nr) * ColMap<Scalar>(kp, d, cols, Eigen::OuterStride<>(P.K.outer));
+      else
+        S.middleRows(r0, nr).noalias() =
+            q.middleRows(r0, nr) *
+            ColMap<Scalar>(kp, cols, d, Eigen::OuterStride<>(P.K.outer)).transpose();
     }
     // A non-finite key makes its whole score column non-finite (q is finite): checking the
     // small score tile replaces a scan of K (decoding is bandwidth-bound). A non-finite value
     // makes the output non-finite (0 * inf is NaN), which `compute` checks.
     finite = finite && all_finite(S);
-    // Diagonal tile: key j is hidden from the rows of position < j - off (a prefix of each
-    // stacked head's rows).
-    const bool diagonal = P.causal && j0 + cols - 1 > i0 + off;
-    auto hide = [&](Index c, auto column, Scalar value) {
-      const Index hidden = std::max<Index>(0, std::min(rows, j0 + c - off - i0));
-      for (Index s = 0; s < blk.nh; ++s) column.segment(s * rows, hidden).setConstant(value);
-    };
-    online_softmax_update<Scalar>(R, cols, diagonal, hide, ws);
-    for (Index g = g_first; g <= g_last; ++g) {
-      const Index hs = std::max(blk.h0, g * P.group) - blk.h0;
-      const Index he = std::min(blk.h0 + blk.nh, (g + 1) * P.group) - blk.h0;
-      auto Sg = S.middleRows(hs * rows, (he - hs) * rows);
-      auto accg = acc.middleRows(hs * rows, (he - hs) * rows);
-      const Scalar* vp = P.V.at(kb + j0, g * dv);
+    const bool diagonal = P.causal && j0 + cols - 1 > t.i0 + t.off;
+    online_softmax_update<Scalar>(R, cols, diagonal, t.hider(blk, j0), ws);
+    for (Index g = t.g_first; g <= t.g_last; ++g) {
+      const auto [r0, nr] = t.group_rows(blk, P.group, g);
+      const Scalar* vp = P.V.at(t.kb + j0, g * dv);
       if constexpr (VRowMajor)
-        accg.noalias() += Sg * RowMap<Scalar>(vp, cols, dv, Eigen::OuterStride<>(P.V.outer));
+        acc.middleRows(r0, nr).noalias() +=
+            S.middleRows(r0, nr) * RowMap<Scalar>(vp, cols, dv, Eigen::OuterStride<>(P.V.outer));
       else
-        accg.noalias() += Sg * ColMap<Scalar>(vp, cols, dv, Eigen::OuterStride<>(P.V.outer));
+        acc.middleRows(r0, nr).noalias() +=
+            S.middleRows(r0, nr) * ColMap<Scalar>(vp, cols, dv, Eigen::OuterStride<>(P.V.outer));
     }
   }
   return finite;
@@ -365,86 +394,62 @@ struct MhWorkspace : TileWorkspace<Scalar> {
 template <typename Scalar>
 bool mh_decode_pass(const MhExactProblem<Scalar>& P, const MhBlock& blk, Index split,
                     MhWorkspace<Scalar>& ws) {
-  constexpr Scalar ninf = -std::numeric_limits<Scalar>::infinity();
   const MultiHeadBatch& mb = *P.batch;
-  const std::size_t sb = static_cast<std::size_t>(blk.seq);
-  const Index q0 = mb.q[sb], nq = mb.q[sb + 1] - q0;
-  const Index kb = mb.k[sb], nk = mb.k_len[sb];
-  const Index d = mb.d, dv = mb.dv, rows = blk.rows, R = blk.nh * rows, i0 = blk.i0;
-  const Index off = nk - nq;
+  const MhTask t(mb, P.group, P.causal, blk, split);
+  const Index d = mb.d, dv = mb.dv, R = t.R;
   auto qr = ws.qr.topRows(R);
   auto accr = ws.accr.topRows(R);
-  for (Index s = 0; s < blk.nh; ++s) {
-    const Scalar* p = P.Q.at(q0 + i0, (blk.h0 + s) * d);
-    if (P.Q.row_major)
-      qr.middleRows(s * rows, rows).noalias() =
-          RowMap<Scalar>(p, rows, d, Eigen::OuterStride<>(P.Q.outer)) * P.scale;
-    else
-      qr.middleRows(s * rows, rows).noalias() =
-          ColMap<Scalar>(p, rows, d, Eigen::OuterStride<>(P.Q.outer)) * P.scale;
-  }
-  ws.m.head(R).setConstant(ninf);
+  t.load_queries(P.Q, P.scale, blk, d, qr);
+  ws.m.head(R).setConstant(-std::numeric_limits<Scalar>::infinity());
   ws.l.head(R).setZero();
   ws.acc.topRows(R).setZero();  // rescaled by online_softmax_update, unused here
   accr.setZero();
-  const Index visible = P.causal ? std::min(nk, i0 + rows + off) : nk;
-  const Index k_begin = visible * split / blk.splits;
-  const Index k_end = visible * (split + 1) / blk.splits;
-  const Index g_first = blk.h0 / P.group, g_last = (blk.h0 + blk.nh - 1) / P.group;
   // Software prefetch kPrefetch keys ahead, whole rows: a row of a row-major cache is often a
   // page (kv_heads d = 1024 floats), and the hardware prefetchers stop at page boundaries
   // (measured: +15% bandwidth at m = 32768, kv_heads = 8, d = 128).
   constexpr Index kPrefetch = 4;
+  auto prefetch_row = [&](const PackedView<Scalar>& X, Index key, Index width) {
+    if (key >= t.k_end) return;
+    const Scalar* pf = X.at(t.kb + key, t.g_first * width);
+    const Index n = (t.g_last - t.g_first + 1) * width;
+    for (Index i = 0; i < n; i += 64 / static_cast<Index>(sizeof(Scalar)))
+      __builtin_prefetch(pf + i, 0, 3);
+  };
   bool finite = true;
-  for (Index j0 = k_begin; j0 < k_end; j0 += P.bk) {
-    const Index cols = std::min(P.bk, k_end - j0);
+  for (Index j0 = t.k_begin; j0 < t.k_end; j0 += P.bk) {
+    const Index cols = std::min(P.bk, t.k_end - j0);
     auto S = ws.s.topLeftCorner(R, cols);
     for (Index c = 0; c < cols; ++c) {
-      const Scalar* krow = P.K.at(kb + j0 + c, 0);
-      if (j0 + c + kPrefetch < k_end) {
-        const Scalar* pf = P.K.at(kb + j0 + c + kPrefetch, g_first * d);
-        for (Index i = 0; i < (g_last - g_first + 1) * d; i += 16) __builtin_prefetch(pf + i, 0, 3);
-      }
-      for (Index g = g_first; g <= g_last; ++g) {
-        const Index hs = std::max(blk.h0, g * P.group) - blk.h0;
-        const Index he = std::min(blk.h0 + blk.nh, (g + 1) * P.group) - blk.h0;
+      prefetch_row(P.K, j0 + c + kPrefetch, d);
+      const Scalar* krow = P.K.at(t.kb + j0 + c, 0);
+      for (Index g = t.g_first; g <= t.g_last; ++g) {
+        const auto [r0, nr] = t.group_rows(blk, P.group, g);
         const Eigen::Map<const Vector<Scalar>> k(krow + g * d, d);
-        S.col(c).segment(hs * rows, (he - hs) * rows).noalias() =
-            qr.middleRows(hs * rows, (he - hs) * rows).lazyProduct(k);
+        S.col(c).segment(r0, nr).noalias() = qr.middleRows(r0, nr).lazyProduct(k);
       }
     }
     finite = finite && all_finite(S);
-    const bool diagonal = P.causal && j0 + cols - 1 > i0 + off;
-    auto hide = [&](Index c, auto column, Scalar value) {
-      const Index hidden = std::max<Index>(0, std::min(rows, j0 + c - off - i0));
-      for (Index s = 0; s < blk.nh; ++s) column.segment(s * rows, hidden).setConstant(value);
-    };
-    online_softmax_update<Scalar>(R, cols, diagonal, hide, ws);
+    const bool diagonal = P.causal && j0 + cols - 1 > t.i0 + t.off;
+    online_softmax_update<Scalar>(R, cols, diagonal, t.hider(blk, j0), ws);
     if (!(ws.alpha.head(R) == Scalar(1)).all()) accr.array().colwise() *= ws.alpha.head(R);
-    // Rank-KU updates (KU keys at a time): each accumulator row is loaded and stored once per
-    // KU keys.
-    constexpr Index KU = 4;
-    for (Index c = 0; c < cols; c += KU) {
-      const Index ku = std::min(KU, cols - c);
-      if (j0 + c + kPrefetch < k_end)
-        for (Index u = 0; u < std::min(KU, k_end - j0 - c - kPrefetch); ++u) {
-          const Scalar* pf = P.V.at(kb + j0 + c + kPrefetch + u, g_first * dv);
-          for (Index i = 0; i < (g_last - g_first + 1) * dv; i += 16)
-            __builtin_prefetch(pf + i, 0, 3);
-        }
-      for (Index g = g_first; g <= g_last; ++g) {
-        const Index hs = std::max(blk.h0, g * P.group) - blk.h0;
-        const Index he = std::min(blk.h0 + blk.nh, (g + 1) * P.group) - blk.h0;
+    // Rank-4 updates (four keys at a time): each accumulator row is loaded and stored once per
+    // four keys.
+    for (Index c = 0; c < cols; c += 4) {
+      const Index ku = std::min<Index>(4, cols - c);
+      for (Index u = 0; u < ku; ++u) prefetch_row(P.V, j0 + c + u + kPrefetch, dv);
+      for (Index g = t.g_first; g <= t.g_last; ++g) {
+        const auto [r0, nr] = t.group_rows(blk, P.group, g);
         using RowV = Eigen::Map<const RowVector<Scalar>>;
-        if (ku == KU) {
-          const RowV v0(P.V.at(kb + j0 + c, g * dv), dv), v1(P.V.at(kb + j0 + c + 1, g * dv), dv),
-              v2(P.V.at(kb + j0 + c + 2, g * dv), dv), v3(P.V.at(kb + j0 + c + 3, g * dv), dv);
-          for (Index r = hs * rows; r < he * rows; ++r)
+        if (ku == 4) {
+          const RowV v0(P.V.at(t.kb + j0 + c, g * dv), dv),
+              v1(P.V.at(t.kb + j0 + c + 1, g * dv), dv), v2(P.V.at(t.kb + j0 + c + 2, g * dv), dv),
+              v3(P.V.at(t.kb + j0 + c + 3, g * dv), dv);
+          for (Index r = r0; r < r0 + nr; ++r)
             accr.row(r) += S(r, c) * v0 + S(r, c + 1) * v1 + S(r, c + 2) * v2 + S(r, c + 3) * v3;
         } else {
           for (Index u = 0; u < ku; ++u) {
-            const RowV v(P.V.at(kb + j0 + c + u, g * dv), dv);
-            for (Index r = hs * rows; r < he * rows; ++r) accr.row(r) += S(r, c + u) * v;
+            const RowV v(P.V.at(t.kb + j0 + c + u, g * dv), dv);
+            for (Index r = r0; r < r0 + nr; ++r) accr.row(r) += S(r, c + u) * v;
           }
         }
       }
