@@ -102,6 +102,7 @@ TEST_CASE("MultiHead exact reads row-major inputs in place", "[exact][memory][mu
                << extra << " (" << threads << " threads; one tile " << tile_bytes
                << " B); K is " << K.size() * 4 << " B");
   CHECK(extra <= 2 * tile_bytes * threads + 64 * 1024);  // + the task plan (a few KiB)
+}
 
 TEST_CASE("Tiled backward allocates nothing n x m, and a tile-count-independent number of blocks",
           "[exact][memory][gradients]") {
