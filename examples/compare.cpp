@@ -125,9 +125,9 @@ Flags parse(int argc, char** argv) {
       for (const auto& b : split(value())) f.budgets.push_back(parse_int(a, b, 1));
       if (f.budgets.empty()) usage_error("--budgets needs at least one value");
     } else if (a == "--heads") {
-      f.heads = static_cast<Index>(parse_int(a, next(), 1));
+      f.heads = static_cast<Index>(parse_int(a, value(), 1));
     } else if (a == "--kv-heads") {
-      f.kv_heads = static_cast<Index>(parse_int(a, next(), 1));
+      f.kv_heads = static_cast<Index>(parse_int(a, value(), 1));
     } else if (a == "--threads") {
       f.threads = static_cast<int>(parse_int(a, value(), 1));
     } else if (a == "--causal") {

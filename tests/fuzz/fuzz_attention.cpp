@@ -313,6 +313,7 @@ void run_multi_head(Bytes& b) {
     for (Index s = 0; s < B; ++s) {
       const std::size_t i = static_cast<std::size_t>(s);
       const Index nk = use_seqused ? used[i] : ck[i + 1] - ck[i];
+      if (cq[i + 1] == cq[i] || nk == 0) continue;  // no output rows to check
       for (Index h = 0; h < heads; ++h) {
         const Index g = h / (heads / kv);
         const auto Vs = V.block(ck[i], g * dv, nk, dv);
