@@ -55,6 +55,31 @@ float rounded_float(In x, float scale) noexcept {
   return bf16_to_float(to_bf16(x, scale));
 }
 
+/// dst[i] = bf16 bits of scale * src[i] for i < count (contiguous).
+template <typename In>
+void convert_bf16(const In* src, Index count, float scale, std::uint16_t* dst) noexcept {
+  for (Index i = 0; i < count; ++i) dst[i] = to_bf16(src[i], scale);
+}
+
+#if EFFATTN_BF16_X86
+/// `convert_bf16` for float with AVX512F, 16 values per step (masked tail). Used only by the x86
+/// kernels' packing, which runs after `detected_isa()` found AVX-512.
+__attribute__((target("avx512f"))) inline void convert_bf16(const float* src, Index count,
+                                                            float scale,
+                                                            std::uint16_t* dst) noexcept {
+  const __m512 sc = _mm512_set1_ps(scale);
+  const __m512i bias = _mm512_set1_epi32(0x7FFF), one = _mm512_set1_epi32(1);
+  for (Index i = 0; i < count; i += 16) {
+    const Index left = count - i;
+    const __mmask16 k = left >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1u);
+    const __m512i u = _mm512_castps_si512(_mm512_mul_ps(_mm512_maskz_loadu_ps(k, src + i), sc));
+    const __m512i r = _mm512_add_epi32(
+        u, _mm512_add_epi32(bias, _mm512_and_si512(_mm512_srli_epi32(u, 16), one)));
+    _mm512_mask_cvtepi32_storeu_epi16(dst + i, k, _mm512_srli_epi32(r, 16));
+  }
+}
+#endif
+
 /// Rounds up to a multiple of `to`.
 constexpr Index round_up(Index x, Index to) noexcept {
   return (x + to - 1) / to * to;
@@ -102,23 +127,29 @@ void pack_bf16_panels(const Eigen::Ref<const Matrix<In>>& Q, const Eigen::Ref<co
   const Index q_tasks = p.npad / 32, k_tasks = p.mpad / 32;
   const bool worth = (p.n + p.m) * (p.d + p.dv) >= (Index(1) << 16);
   parallel_for_if(worth, q_tasks + k_tasks, [&](Index t) {
+    // Every column slice is converted contiguously into `tmp` (a loop the compiler vectorises),
+    // then scattered into the kernel layout with 2-byte moves.
+    std::uint16_t tmp[32];
     if (t < q_tasks) {
       for (Index g = 2 * t; g < 2 * t + 2; ++g) {
         std::uint16_t* dst = p.q.data() + g * (p.dpad / 2) * 32;
-        const Index rows = std::min<Index>(16, p.n - g * 16);
-        for (Index c = 0; c < p.d; ++c)
-          for (Index i = 0; i < rows; ++i)
-            dst[(c / 2) * 32 + i * 2 + (c & 1)] = to_bf16(Q(g * 16 + i, c), scale);
+        const Index rows = std::max<Index>(0, std::min<Index>(16, p.n - g * 16));
+        for (Index c = 0; c < p.d; ++c) {
+          convert_bf16(Q.data() + c * Q.outerStride() + g * 16, rows, scale, tmp);
+          for (Index i = 0; i < rows; ++i) dst[(c / 2) * 32 + i * 2 + (c & 1)] = tmp[i];
+        }
       }
       return;
     }
     const Index j0 = (t - q_tasks) * 32, rows = std::min<Index>(32, p.m - j0);
     std::uint16_t* kd = p.k.data() + j0 * p.dpad;
-    for (Index c = 0; c < p.d; ++c)
-      for (Index j = 0; j < rows; ++j) kd[j * p.dpad + c] = to_bf16(K(j0 + j, c), 1.0f);
+    for (Index c = 0; c < p.d; ++c) {
+      convert_bf16(K.data() + c * K.outerStride() + j0, rows, 1.0f, tmp);
+      for (Index j = 0; j < rows; ++j) kd[j * p.dpad + c] = tmp[j];
+    }
     std::uint16_t* vd = p.v.data() + (j0 / 32) * p.dvpad * 32;
     for (Index c = 0; c < p.dv; ++c)
-      for (Index j = 0; j < rows; ++j) vd[c * 32 + j] = to_bf16(V(j0 + j, c), 1.0f);
+      convert_bf16(V.data() + c * V.outerStride() + j0, rows, 1.0f, vd + c * 32);
   });
 }
 
