@@ -27,13 +27,18 @@
 namespace effattn {
 namespace detail {
 
+/// The most queries for which `StreamingBf16Kernel` is used (decoding).
+constexpr Index kBf16StreamingMaxQueries = 16;
+
 /// The tile plan of the bf16 kernels: as `plan_tiles`, with block sizes that are multiples of 32
 /// (a user's `block_q` / `block_k` is rounded up; a block covering all rows or keys may be
 /// shorter). Automatic: 64 query rows x 256 keys (measured with bench_bf16: the score tile then
 /// fits L1+L2 comfortably and there are enough query blocks for the threads). O(1).
 inline TilePlan plan_bf16_tiles(Index n, Index m, Index d, Index dv, Index block_q, Index block_k) {
   const Index bq = block_q > 0 ? round_up(block_q, 32) : 64;
-  const Index bk = block_k > 0 ? round_up(block_k, 32) : 256;
+  // Decoding streams K and V column by column: 1024-key tiles read 4 KiB (a page) per column
+  // and key tile, which the prefetchers follow (256-key tiles reached 20% of the bandwidth).
+  const Index bk = block_k > 0 ? round_up(block_k, 32) : n <= kBf16StreamingMaxQueries ? 1024 : 256;
   return plan_tiles(n, m, d, dv, 2, bq, bk);
 }
 
@@ -47,8 +52,14 @@ struct Bf16Workspace {
   TileWorkspace<float> t;
   Matrix<float> acc;
   Bf16Buffer pv;
-  Bf16Workspace(Index bq_pad, Index bk_pad, Index acc_cols)
-      : t(bq_pad, bk_pad, 1, 0), acc(bq_pad, acc_cols), pv(bk_pad * bq_pad) {}
+  Matrix<float> k_tile, v_tile;  ///< streaming kernel only: the rounded K and V tiles
+  Bf16Workspace(Index bq_pad, Index bk_pad, Index acc_cols, Index k_tile_cols = 0,
+                Index v_tile_cols = 0)
+      : t(bq_pad, bk_pad, 1, 0),
+        acc(bq_pad, acc_cols),
+        pv(bk_pad * bq_pad),
+        k_tile(bk_pad, k_tile_cols),
+        v_tile(bk_pad, v_tile_cols) {}
 };
 
 /// acc rows [0, rows) *= alpha, the rescale factors exp(m_old - m_new) that
@@ -63,6 +74,9 @@ inline void rescale_accumulator(Index rows, Bf16Workspace& ws) {
 struct GenericBf16Kernel {
   const Bf16RoundedFloats& r;
   Index acc_cols() const { return r.v.cols(); }
+  Bf16Workspace workspace(Index bq_pad, Index bk_pad) const {
+    return Bf16Workspace(bq_pad, bk_pad, acc_cols());
+  }
   template <typename F>
   void task(F&& f) const {
     f();
@@ -83,6 +97,9 @@ template <bool Amx>
 struct X86Bf16Kernel {
   const Bf16Panels& p;
   Index acc_cols() const { return p.dvpad; }
+  Bf16Workspace workspace(Index bq_pad, Index bk_pad) const {
+    return Bf16Workspace(bq_pad, bk_pad, acc_cols());
+  }
   template <typename F>
   void task(F&& f) const {
     if constexpr (Amx) {
@@ -109,6 +126,39 @@ struct X86Bf16Kernel {
   }
 };
 #endif
+
+/// Decoding (`streams_kv`: a single block of few queries, so every key tile is visited once):
+/// K and V are read once, straight from the inputs, each tile rounded to bf16 into a cache-
+/// resident buffer as it streams by, and multiplied by Eigen's float GEMM. A product of two bf16
+/// values is exact in fp32, so this is the same arithmetic as the matrix-engine paths (bf16
+/// operands, fp32 sums), at the memory bandwidth: the panels would read K and V twice.
+template <typename In>
+struct StreamingBf16Kernel {
+  const Eigen::Ref<const Matrix<In>>& K;
+  const Eigen::Ref<const Matrix<In>>& V;
+  const Matrix<float>& q;  ///< bf16-rounded scale Q
+  bool simd;               ///< round with AVX512F (a path above generic was selected)
+  Index acc_cols() const { return V.cols(); }
+  Bf16Workspace workspace(Index bq_pad, Index bk_pad) const {
+    return Bf16Workspace(bq_pad, bk_pad, acc_cols(), K.cols(), V.cols());
+  }
+  template <typename F>
+  void task(F&& f) const {
+    f();
+  }
+  void scores(Index i0, Index rows, Index j0, Index cols, Bf16Workspace& ws) const {
+    for (Index c = 0; c < K.cols(); ++c)
+      round_floats(K.data() + c * K.outerStride() + j0, cols, ws.k_tile.col(c).data(), simd);
+    ws.t.s.topLeftCorner(rows, cols).noalias() =
+        q.middleRows(i0, rows) * ws.k_tile.topRows(cols).transpose();
+  }
+  void accumulate(Index rows, Index j0, Index cols, Bf16Workspace& ws) const {
+    for (Index c = 0; c < V.cols(); ++c)
+      round_floats(V.data() + c * V.outerStride() + j0, cols, ws.v_tile.col(c).data(), simd);
+    round_tile_to_bf16(ws.t.s.data(), ws.t.s.rows(), rows, cols);
+    ws.acc.topRows(rows).noalias() += ws.t.s.topLeftCorner(rows, cols) * ws.v_tile.topRows(cols);
+  }
+};
 
 /// Online-softmax pass of query rows [i0, i0 + rows) over keys [k_begin, k_end) with `kern`'s
 /// products (k_begin a multiple of 32, or 0). Same contract as `online_softmax_block`: leaves
@@ -152,7 +202,7 @@ void bf16_attention_run(const Kernel& kern, Index n, Index m, Index dv, const fl
   lse.resize(n);
   const Index bq = plan.bq, bk = plan.bk, splits = plan.kv_splits;
   const Index bq_pad = round_up(bq, 32), bk_pad = round_up(bk, 32);
-  auto make_ws = [&] { return Bf16Workspace(bq_pad, bk_pad, kern.acc_cols()); };
+  auto make_ws = [&] { return kern.workspace(bq_pad, bk_pad); };
   if (splits == 1) {
     parallel_for(plan.q_blocks, make_ws, [&](Index b, Bf16Workspace& ws) {
       const Index i0 = b * bq, rows = std::min(bq, n - i0);
@@ -198,6 +248,14 @@ void tiled_attention_bf16(const Eigen::Ref<const Matrix<In>>& Q,
   EFFATTN_CHECK(isa_available(isa), cat("ExactAttention: the bf16 kernel path '", isa_name(isa),
                                         "' is not available on this machine (highest: '",
                                         isa_name(detected_isa()), "')"));
+  if (n <= kBf16StreamingMaxQueries && plan.q_blocks == 1) {
+    Matrix<float> q(n, Q.cols());
+    for (Index c = 0; c < Q.cols(); ++c)
+      for (Index i = 0; i < n; ++i) q(i, c) = rounded_float(Q(i, c), scale);
+    bf16_attention_run(StreamingBf16Kernel<In>{K, V, q, isa != Isa::Generic}, n, m, dv, bias,
+                       causal, plan, out, lse);
+    return;
+  }
 #if EFFATTN_BF16_X86
   if (isa != Isa::Generic) {
     Bf16Panels panels;

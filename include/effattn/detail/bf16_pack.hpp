@@ -177,6 +177,38 @@ void round_to_bf16_floats(const Eigen::Ref<const Matrix<In>>& Q,
     for (Index j = 0; j < V.rows(); ++j) r.v(j, c) = rounded_float(V(j, c), 1.0f);
 }
 
+/// dst[i] = src[i] rounded to bf16 and widened back to float, for i < count (contiguous).
+/// `simd`: use AVX512F for float inputs (only when a path above generic was selected).
+template <typename In>
+void round_floats(const In* src, Index count, float* dst, bool /*simd*/) noexcept {
+  for (Index i = 0; i < count; ++i) dst[i] = rounded_float(src[i], 1.0f);
+}
+
+#if EFFATTN_BF16_X86
+/// `round_floats` for float with AVX512F (16 values per step, masked tail).
+__attribute__((target("avx512f"))) inline void round_floats_avx512(const float* src, Index count,
+                                                                   float* dst) noexcept {
+  const __m512i bias = _mm512_set1_epi32(0x7FFF), one = _mm512_set1_epi32(1);
+  const __m512i high = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+  for (Index i = 0; i < count; i += 16) {
+    const Index left = count - i;
+    const __mmask16 k = left >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1u);
+    const __m512i u = _mm512_maskz_loadu_epi32(k, src + i);
+    const __m512i r = _mm512_add_epi32(
+        u, _mm512_add_epi32(bias, _mm512_and_si512(_mm512_srli_epi32(u, 16), one)));
+    _mm512_mask_storeu_epi32(dst + i, k, _mm512_and_si512(r, high));
+  }
+}
+
+inline void round_floats(const float* src, Index count, float* dst, bool simd) noexcept {
+  if (simd) {
+    round_floats_avx512(src, count, dst);
+    return;
+  }
+  for (Index i = 0; i < count; ++i) dst[i] = rounded_float(src[i], 1.0f);
+}
+#endif
+
 /// Rounds the probabilities P (the first `rows` x `cols` of a column-major tile with leading
 /// dimension `ld`) to bf16 in place (generic path).
 inline void round_tile_to_bf16(float* s, Index ld, Index rows, Index cols) noexcept {
