@@ -123,41 +123,51 @@ TEST_CASE("bf16 rounding is round-to-nearest-even like Eigen::bfloat16", "[bf16]
 }
 
 TEST_CASE("every bf16 path is within 1e-2 of fp64 on every workload, d and mask", "[bf16]") {
-  for (const Isa isa : all_isas()) {
-    if (!available_or_warn(isa)) continue;
-    for (const auto kind : workloads::all_kinds())
-      for (const Index d : {16, 64, 80, 128, 256})
-        for (const bool causal : {false, true}) {
-          // n, m not multiples of 16 or 32; block sizes 32 x 64 so several tiles and a partial
-          // last tile are visited.
-          const auto w = workloads::make<float>(kind, workloads::Params::shape(45, 83, d, d, 7));
+  std::vector<Isa> isas;
+  for (const Isa isa : all_isas())
+    if (available_or_warn(isa)) isas.push_back(isa);
+  for (const auto kind : workloads::all_kinds())
+    for (const Index d : {16, 64, 80, 128, 256}) {
+      // n, m not multiples of 16 or 32; block sizes 32 x 64 so several tiles and a partial last
+      // tile are visited, and the automatic ones.
+      const auto w = workloads::make<float>(kind, workloads::Params::shape(45, 83, d, d, 7));
+      for (const bool causal : {false, true}) {
+        const Reference ref = reference(w.Q, w.K, w.V, nullptr, causal);
+        for (const Isa isa : isas) {
           INFO("path " << detail::isa_name(isa) << ", " << workloads::name(kind) << ", d = " << d
                        << ", causal = " << causal);
-          const Reference ref = reference(w.Q, w.K, w.V, nullptr, causal);
           check_against(run_path<float>(isa, w.Q, w.K, w.V, nullptr, causal, 32, 64), ref, w.V);
           check_against(run_path<float>(isa, w.Q, w.K, w.V, nullptr, causal), ref, w.V);
         }
-  }
-}
-
-TEST_CASE("bf16 split-KV (decoding) and key bias on every path", "[bf16]") {
-  for (const Isa isa : all_isas()) {
-    if (!available_or_warn(isa)) continue;
-    for (const Index d : {64, 80}) {
-      const auto w = workloads::make<float>(workloads::Kind::Gaussian,
-                                            workloads::Params::shape(3, 4099, d, d));
-      Vector<float> bias = Vector<float>::LinSpaced(4099, -1.0f, 1.0f);
-      for (Index j = 5; j < 4099; j += 7) bias(j) = -std::numeric_limits<float>::infinity();
-      for (const bool causal : {false, true}) {
-        INFO("path " << detail::isa_name(isa) << ", d = " << d << ", causal = " << causal);
-        const Bf16Out plain = run_path<float>(isa, w.Q, w.K, w.V, nullptr, causal);
-        REQUIRE(plain.plan.kv_splits > 1);
-        check_against(plain, reference(w.Q, w.K, w.V, nullptr, causal), w.V);
-        const Bf16Out biased = run_path<float>(isa, w.Q, w.K, w.V, bias.data(), causal);
-        check_against(biased, reference(w.Q, w.K, w.V, &bias, causal), w.V);
       }
     }
-  }
+}
+
+TEST_CASE("bf16 split-KV (decoding and short prompts) and key bias on every path", "[bf16]") {
+  std::vector<Isa> isas;
+  for (const Isa isa : all_isas())
+    if (available_or_warn(isa)) isas.push_back(isa);
+  // 3 queries: the decoding kernels; 40 queries: one query block on the panels.
+  for (const Index n : {3, 40})
+    for (const Index d : {64, 80}) {
+      const Index m = 9001;
+      const auto w =
+          workloads::make<float>(workloads::Kind::Gaussian, workloads::Params::shape(n, m, d, d));
+      Vector<float> bias = Vector<float>::LinSpaced(m, -1.0f, 1.0f);
+      for (Index j = 5; j < m; j += 7) bias(j) = -std::numeric_limits<float>::infinity();
+      for (const bool causal : {false, true}) {
+        const Reference plain_ref = reference(w.Q, w.K, w.V, nullptr, causal);
+        const Reference bias_ref = reference(w.Q, w.K, w.V, &bias, causal);
+        for (const Isa isa : isas) {
+          INFO("path " << detail::isa_name(isa) << ", n = " << n << ", d = " << d
+                       << ", causal = " << causal);
+          const Bf16Out plain = run_path<float>(isa, w.Q, w.K, w.V, nullptr, causal);
+          REQUIRE(plain.plan.kv_splits > 1);
+          check_against(plain, plain_ref, w.V);
+          check_against(run_path<float>(isa, w.Q, w.K, w.V, bias.data(), causal), bias_ref, w.V);
+        }
+      }
+    }
 }
 
 TEST_CASE("the bf16 paths agree with each other", "[bf16]") {
