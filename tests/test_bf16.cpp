@@ -253,6 +253,16 @@ TEST_CASE("ExactAttention<float, TiledBf16>: float and bf16 inputs, bias, stride
     const auto rs = f.compute(Qmap, wide.middleCols(64, 64), Vr);
     CHECK(bitwise_equal(rs.output, rf.output));
   }
+  // Decoding (3 queries: the decoding kernels) with bf16 and float inputs, on every path.
+  const Matrix<float> Qd = Qr.topRows(3);
+  for (const Isa isa : all_isas()) {
+    if (!available_or_warn(isa)) continue;
+    INFO("decoding, path " << detail::isa_name(isa));
+    const Bf16Out df = run_path<float>(isa, Qd, Kr, Vr, nullptr, false);
+    const Bf16Out db = run_path<Eigen::bfloat16>(isa, to_bf16(Qd), Kb, Vb, nullptr, false);
+    CHECK(bitwise_equal(df.out, db.out));
+    check_against(df, reference(Qd, Kr, Vr, nullptr, false), Vr);
+  }
   // The other policies accept bf16 inputs by widening them once.
   const auto tiled = ExactAttentionf().compute(Qb, Kb, Vb);
   CHECK(bitwise_equal(tiled.output, ExactAttentionf().compute(Qr, Kr, Vr).output));

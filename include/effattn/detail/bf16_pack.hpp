@@ -217,6 +217,19 @@ inline void round_tile_to_bf16(float* s, Index ld, Index rows, Index cols) noexc
 }
 
 #if EFFATTN_BF16_X86
+/// 16 VNNI pairs from two fp32 vectors: pair i = (bf16(a_i), bf16(b_i)) in one 32-bit lane
+/// (a in the low half), both rounded to nearest even. No NaN inputs.
+__attribute__((target("avx512f"))) inline __m512i bf16_vnni_pairs(__m512 a, __m512 b) noexcept {
+  const __m512i bias = _mm512_set1_epi32(0x7FFF), one = _mm512_set1_epi32(1);
+  const __m512i ua = _mm512_castps_si512(a), ub = _mm512_castps_si512(b);
+  const __m512i ra = _mm512_add_epi32(
+      ua, _mm512_add_epi32(bias, _mm512_and_si512(_mm512_srli_epi32(ua, 16), one)));
+  const __m512i rb = _mm512_add_epi32(
+      ub, _mm512_add_epi32(bias, _mm512_and_si512(_mm512_srli_epi32(ub, 16), one)));
+  return _mm512_or_si512(_mm512_srli_epi32(ra, 16),
+                         _mm512_and_si512(rb, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
+}
+
 /// Rounds the probabilities P of a column-major fp32 tile (leading dimension `ld`, `rows` a
 /// multiple of 16, `cols_pad` a multiple of 32) to bf16 in VNNI pairs: pv[(p * ld + i) * 2 + e]
 /// = P(i, 2p + e), with the columns >= `cols` set to 0 (keys outside the tile). This is the B
@@ -225,19 +238,12 @@ inline void round_tile_to_bf16(float* s, Index ld, Index rows, Index cols) noexc
 __attribute__((target("avx512f"))) inline void pack_p_vnni(const float* s, Index ld, Index rows,
                                                            Index cols, Index cols_pad,
                                                            std::uint16_t* pv) noexcept {
-  const __m512i bias = _mm512_set1_epi32(0x7FFF), one = _mm512_set1_epi32(1);
-  const __m512i high = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
   for (Index c = 0; c < cols_pad; c += 2) {
     const bool have0 = c < cols, have1 = c + 1 < cols;
     for (Index i = 0; i < rows; i += 16) {
-      const __m512i a = have0 ? _mm512_loadu_si512(s + c * ld + i) : _mm512_setzero_si512();
-      const __m512i b = have1 ? _mm512_loadu_si512(s + (c + 1) * ld + i) : _mm512_setzero_si512();
-      // Round to nearest even on the bit patterns: add 0x7FFF + (bit 16), keep the upper half.
-      const __m512i ra = _mm512_add_epi32(
-          a, _mm512_add_epi32(bias, _mm512_and_si512(_mm512_srli_epi32(a, 16), one)));
-      const __m512i rb = _mm512_add_epi32(
-          b, _mm512_add_epi32(bias, _mm512_and_si512(_mm512_srli_epi32(b, 16), one)));
-      const __m512i packed = _mm512_or_si512(_mm512_srli_epi32(ra, 16), _mm512_and_si512(rb, high));
+      const __m512 a = have0 ? _mm512_loadu_ps(s + c * ld + i) : _mm512_setzero_ps();
+      const __m512 b = have1 ? _mm512_loadu_ps(s + (c + 1) * ld + i) : _mm512_setzero_ps();
+      const __m512i packed = bf16_vnni_pairs(a, b);
       _mm512_storeu_si512(pv + ((c / 2) * ld + i) * 2, packed);
     }
   }
