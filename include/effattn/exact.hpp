@@ -92,7 +92,7 @@ struct ExactResult : AttentionResult<Scalar> {
 ///   rounded to bf16 once per call into packed panels; the online softmax (max, exp, row sums in
 ///   double) stays fp32; P = exp(S - m) is rounded to bf16 for the P V product, as
 ///   FlashAttention does. Block sizes are multiples of 32 (`block_q` / `block_k` rounded up;
-///   default 64 x 256). Native bf16 inputs: the `compute(Bf16Ref, ...)` overloads.
+///   default 256 x 256). Native bf16 inputs: the `compute(Bf16Ref, ...)` overloads.
 ///   **Error model**: bf16 keeps 8 significand bits, so each rounding is a relative error
 ///   <= u = 2^-9. A logit moves by at most about 2u s |q_i| |k_j| (plus fp32 summation error),
 ///   which changes the weights by a relative e^{2u s |q_i| |k_j|} - 1; rounding P and V adds
