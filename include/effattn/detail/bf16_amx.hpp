@@ -117,17 +117,6 @@ EFFATTN_TARGET_AMX inline void amx_accumulate(const Bf16Panels& p, Index j0, Ind
   }
 }
 
-/// 16 values of a column as fp32 (masked: `count` < 16 loads zeros beyond), float or bf16.
-EFFATTN_TARGET_AMX inline __m512 load16_fp32(const float* p, Index count) noexcept {
-  return _mm512_maskz_loadu_ps(count >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << count) - 1u), p);
-}
-__attribute__((target("amx-tile,amx-bf16,avx512f,avx512bf16,avx512bw"))) inline __m512 load16_fp32(
-    const Eigen::bfloat16* p, Index count) noexcept {
-  const __m256i h =
-      _mm256_maskz_loadu_epi16(count >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << count) - 1u), p);
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-
 /// Prefetches `bytes` bytes from `p` into the cache: decoding reads a key tile as one run per
 /// column, each (4 KiB) in another page, where the hardware prefetchers start cold; the next
 /// column's run is fetched while this one is converted.

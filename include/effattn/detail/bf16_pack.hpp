@@ -108,51 +108,6 @@ struct Bf16Panels {
   const std::uint16_t* v_chunk(Index j) const { return v.data() + (j / 32) * dvpad * 32; }
 };
 
-/// Converts Q (scaled by `scale`), K and V to `Bf16Panels`, once per call. In is float or
-/// Eigen::bfloat16. O((n + m) d), in parallel over 32-row chunks (exact, so thread-independent).
-template <typename In>
-void pack_bf16_panels(const Eigen::Ref<const Matrix<In>>& Q, const Eigen::Ref<const Matrix<In>>& K,
-                      const Eigen::Ref<const Matrix<In>>& V, float scale, Bf16Panels& p) {
-  p.n = Q.rows();
-  p.m = K.rows();
-  p.d = Q.cols();
-  p.dv = V.cols();
-  p.npad = round_up(p.n, 32);
-  p.mpad = round_up(p.m, 32);
-  p.dpad = round_up(p.d, 32);
-  p.dvpad = round_up(p.dv, 32);
-  p.q.setZero(p.npad * p.dpad);
-  p.k.setZero(p.mpad * p.dpad);
-  p.v.setZero(p.mpad * p.dvpad);
-  const Index q_tasks = p.npad / 32, k_tasks = p.mpad / 32;
-  const bool worth = (p.n + p.m) * (p.d + p.dv) >= (Index(1) << 16);
-  parallel_for_if(worth, q_tasks + k_tasks, [&](Index t) {
-    // Every column slice is converted contiguously into `tmp` (a loop the compiler vectorises),
-    // then scattered into the kernel layout with 2-byte moves.
-    std::uint16_t tmp[32];
-    if (t < q_tasks) {
-      for (Index g = 2 * t; g < 2 * t + 2; ++g) {
-        std::uint16_t* dst = p.q.data() + g * (p.dpad / 2) * 32;
-        const Index rows = std::max<Index>(0, std::min<Index>(16, p.n - g * 16));
-        for (Index c = 0; c < p.d; ++c) {
-          convert_bf16(Q.data() + c * Q.outerStride() + g * 16, rows, scale, tmp);
-          for (Index i = 0; i < rows; ++i) dst[(c / 2) * 32 + i * 2 + (c & 1)] = tmp[i];
-        }
-      }
-      return;
-    }
-    const Index j0 = (t - q_tasks) * 32, rows = std::min<Index>(32, p.m - j0);
-    std::uint16_t* kd = p.k.data() + j0 * p.dpad;
-    for (Index c = 0; c < p.d; ++c) {
-      convert_bf16(K.data() + c * K.outerStride() + j0, rows, 1.0f, tmp);
-      for (Index j = 0; j < rows; ++j) kd[j * p.dpad + c] = tmp[j];
-    }
-    std::uint16_t* vd = p.v.data() + (j0 / 32) * p.dvpad * 32;
-    for (Index c = 0; c < p.dv; ++c)
-      convert_bf16(V.data() + c * V.outerStride() + j0, rows, 1.0f, vd + c * 32);
-  });
-}
-
 /// The generic path's operands: the bf16-rounded scale Q (n x d), K^T (d x m) and V (m x dv)
 /// widened back to float, so Eigen's float GEMM multiplies exactly the values the bf16 kernels
 /// multiply (and accumulates in fp32 as they do). O((n + m) d) floats.
@@ -248,6 +203,93 @@ __attribute__((target("avx512f"))) inline void pack_p_vnni(const float* s, Index
     }
   }
 }
+
+/// 16 values of a column as fp32 (masked: `count` < 16 loads zeros beyond), float or bf16.
+__attribute__((target("avx512f"))) inline __m512 load16_fp32(const float* p, Index count) noexcept {
+  return _mm512_maskz_loadu_ps(count >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << count) - 1u), p);
+}
+__attribute__((target("avx512f,avx512bw"))) inline __m512 load16_fp32(const Eigen::bfloat16* p,
+                                                                      Index count) noexcept {
+  const __m256i h =
+      _mm256_maskz_loadu_epi16(count >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << count) - 1u), p);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+/// Query group g (16 rows from `Q`, `count` of them valid, leading dimension `ldq`) of scale Q in
+/// VNNI pairs: dst[p][i][e] = bf16(scale Q(16 g + i, 2 p + e)), zero outside Q.
+template <typename In>
+__attribute__((target("avx512f,avx512bw"))) void pack_query_group(const In* Q, Index ldq,
+                                                                  Index count, Index d, Index dpad,
+                                                                  float scale,
+                                                                  std::uint16_t* dst) noexcept {
+  const __m512 sc = _mm512_set1_ps(scale), zero = _mm512_setzero_ps();
+  for (Index pr = 0; pr < dpad / 2; ++pr) {
+    const Index c = 2 * pr;
+    const __m512 a = c < d ? _mm512_mul_ps(load16_fp32(Q + c * ldq, count), sc) : zero;
+    const __m512 b = c + 1 < d ? _mm512_mul_ps(load16_fp32(Q + (c + 1) * ldq, count), sc) : zero;
+    _mm512_storeu_si512(dst + pr * 32, bf16_vnni_pairs(a, b));
+  }
+}
+
+/// 16 keys from `K` (`count` valid, leading dimension `ldk`) rounded to bf16 into the row-major
+/// panel rows `dst` (leading dimension dpad): each VNNI pair of two columns is one 32-bit word of
+/// a key row, written by a scatter.
+template <typename In>
+__attribute__((target("avx512f,avx512bw"))) void pack_key_rows(const In* K, Index ldk, Index count,
+                                                               Index d, Index dpad,
+                                                               std::uint16_t* dst) noexcept {
+  const __m512 zero = _mm512_setzero_ps();
+  const __mmask16 k = count >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << count) - 1u);
+  const __m512i rows =
+      _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                         _mm512_set1_epi32(static_cast<int>(dpad / 2)));
+  for (Index pr = 0; pr < d / 2 + (d & 1); ++pr) {
+    const Index c = 2 * pr;
+    const __m512 a = load16_fp32(K + c * ldk, count);
+    const __m512 b = c + 1 < d ? load16_fp32(K + (c + 1) * ldk, count) : zero;
+    _mm512_mask_i32scatter_epi32(dst + c, k, rows, bf16_vnni_pairs(a, b), 4);
+  }
+}
+
+/// Converts Q (scaled by `scale`), K and V to `Bf16Panels`, once per call. In is float or
+/// Eigen::bfloat16. O((n + m) d) vector code, in parallel over 32-row chunks (exact, so
+/// thread-independent). x86 only (the panels feed the AMX and AVX512-BF16 kernels).
+template <typename In>
+void pack_bf16_panels(const Eigen::Ref<const Matrix<In>>& Q, const Eigen::Ref<const Matrix<In>>& K,
+                      const Eigen::Ref<const Matrix<In>>& V, float scale, Bf16Panels& p) {
+  p.n = Q.rows();
+  p.m = K.rows();
+  p.d = Q.cols();
+  p.dv = V.cols();
+  p.npad = round_up(p.n, 32);
+  p.mpad = round_up(p.m, 32);
+  p.dpad = round_up(p.d, 32);
+  p.dvpad = round_up(p.dv, 32);
+  p.q.setZero(p.npad * p.dpad);
+  p.k.setZero(p.mpad * p.dpad);
+  p.v.setZero(p.mpad * p.dvpad);
+  const Index q_tasks = p.npad / 32, k_tasks = p.mpad / 32;
+  const bool worth = (p.n + p.m) * (p.d + p.dv) >= (Index(1) << 16);
+  parallel_for_if(worth, q_tasks + k_tasks, [&](Index t) {
+    if (t < q_tasks) {
+      for (Index g = 2 * t; g < 2 * t + 2; ++g) {
+        const Index rows = std::max<Index>(0, std::min<Index>(16, p.n - g * 16));
+        if (rows > 0)
+          pack_query_group<In>(Q.data() + g * 16, Q.outerStride(), rows, p.d, p.dpad, scale,
+                               p.q.data() + g * (p.dpad / 2) * 32);
+      }
+      return;
+    }
+    const Index j0 = (t - q_tasks) * 32, rows = std::min<Index>(32, p.m - j0);
+    for (Index h = 0; h < rows; h += 16)
+      pack_key_rows<In>(K.data() + j0 + h, K.outerStride(), std::min<Index>(16, rows - h), p.d,
+                        p.dpad, p.k.data() + (j0 + h) * p.dpad);
+    std::uint16_t* vd = p.v.data() + (j0 / 32) * p.dvpad * 32;
+    for (Index c = 0; c < p.dv; ++c)
+      convert_bf16(V.data() + c * V.outerStride() + j0, rows, 1.0f, vd + c * 32);
+  });
+}
+
 #endif
 
 }  // namespace detail
