@@ -53,6 +53,8 @@ const char* kUsage =
     "  --seed S         workload and method seed (default 42)\n"
     "  --repeat R       timed calls per row, the median is reported (default 3)\n"
     "  --double         double instead of float\n"
+    "  --precision P    fp32 (default) or bf16: bf16 adds the row exact_bf16, ExactAttention\n"
+    "                   with policy::TiledBf16 on the kernel path effattn::active_isa() (float)\n"
     "  --json FILE      also write the table as JSON\n"
     "  --csv FILE       also write the table as CSV\n"
     "  --help           this text\n";
@@ -67,6 +69,7 @@ struct Flags {
   std::uint64_t seed = 42;
   int repeat = 3;
   bool use_double = false;
+  bool bf16 = false;
   std::string json, csv;
 };
 
@@ -130,6 +133,11 @@ Flags parse(int argc, char** argv) {
       f.repeat = static_cast<int>(parse_int(a, value(), 1));
     } else if (a == "--double") {
       f.use_double = true;
+    } else if (a == "--precision") {
+      const std::string v = value();
+      if (v != "fp32" && v != "bf16")
+        usage_error("--precision expects fp32 or bf16, got '" + v + "'");
+      f.bf16 = v == "bf16";
     } else if (a == "--json") {
       f.json = value();
     } else if (a == "--csv") {
@@ -174,8 +182,33 @@ int run_all(const Flags& f) {
       workloads::make<Scalar>(kind, workloads::Params::shape(f.n, f.m, f.d, f.dv, f.seed));
   Problem<Scalar> p{w.Q, w.K, w.V, f.causal, f.seed, f.repeat};
 
-  const auto all = compare::methods<Scalar>();
+  auto all = compare::methods<Scalar>();
+  if constexpr (std::is_same<Scalar, float>::value) {
+    if (f.bf16) {  // --precision bf16: the bf16 exact kernel as one more method
+      Method<Scalar> m;
+      m.name = "exact_bf16";
+      m.default_budgets = [](const Problem<Scalar>&) { return std::vector<Index>{}; };
+      m.applicable = [](const Problem<Scalar>&, std::string&) { return true; };
+      m.run = [](const Problem<Scalar>& pr, Index) {
+        compare::Output<Scalar> o;
+        ExactOptions opts;
+        opts.causal = pr.causal;
+        const ExactAttentionBf16 a(opts);
+        ExactAttentionBf16::Result last;
+        o.seconds = compare::median_time(pr.repeat, [&] { last = a.compute(pr.Q, pr.K, pr.V); });
+        o.info = last.info;
+        o.output = last.output;
+        o.config = std::string("TiledBf16 (") + active_isa() + ")";
+        for (const Diagnostic& d : last.diagnostics()) o.diag[d.name] = d.value;
+        return o;
+      };
+      all.push_back(std::move(m));
+    }
+  }
   std::vector<std::string> names = f.methods;
+  if (f.bf16 && !names.empty() &&
+      std::find(names.begin(), names.end(), "exact_bf16") == names.end())
+    names.push_back("exact_bf16");
   if (names.empty())
     for (const auto& m : all)
       if (m.name != "naive") names.push_back(m.name);
@@ -364,6 +397,7 @@ int main(int argc, char** argv) {
   if (f.threads > 0) omp_set_num_threads(f.threads);
 #endif
   try {
+    if (f.use_double && f.bf16) usage_error("--precision bf16 needs float inputs (drop --double)");
     return f.use_double ? run_all<double>(f) : run_all<float>(f);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "effattn-compare: %s\n", e.what());
