@@ -48,6 +48,9 @@ const char* kUsage =
     "  --budgets LIST   comma-separated budgets for every method, each in its own unit: EVA chunk\n"
     "                   size, Performer features, VCC compressed length, WildCat rank, Conv-Basis\n"
     "                   bases, KEP-SVGP rank (default: 2-3 per method, see the table)\n"
+    "  --heads H        query heads (default 1): Q is n x (H d), every method runs through\n"
+    "                   MultiHead<F> on the packed layout\n"
+    "  --kv-heads G     key/value heads (default H; H must be a multiple of G: GQA, MQA)\n"
     "  --threads T      OpenMP threads (default: all)\n"
     "  --causal         causal masking; methods without a causal mode are skipped\n"
     "  --seed S         workload and method seed (default 42)\n"
@@ -67,6 +70,7 @@ struct Flags {
   int threads = 0;
   bool causal = false;
   std::uint64_t seed = 42;
+  Index heads = 1, kv_heads = 0;
   int repeat = 3;
   bool use_double = false;
   bool bf16 = false;
@@ -123,6 +127,10 @@ Flags parse(int argc, char** argv) {
     } else if (a == "--budgets") {
       for (const auto& b : split(value())) f.budgets.push_back(parse_int(a, b, 1));
       if (f.budgets.empty()) usage_error("--budgets needs at least one value");
+    } else if (a == "--heads") {
+      f.heads = static_cast<Index>(parse_int(a, next(), 1));
+    } else if (a == "--kv-heads") {
+      f.kv_heads = static_cast<Index>(parse_int(a, next(), 1));
     } else if (a == "--threads") {
       f.threads = static_cast<int>(parse_int(a, value(), 1));
     } else if (a == "--causal") {
@@ -148,6 +156,10 @@ Flags parse(int argc, char** argv) {
   }
   if (f.m == 0) f.m = f.n;
   if (f.dv == 0) f.dv = f.d;
+  if (f.kv_heads == 0) f.kv_heads = f.heads;
+  if (f.heads % f.kv_heads != 0)
+    usage_error("--heads (" + std::to_string(f.heads) + ") must be a multiple of --kv-heads (" +
+                std::to_string(f.kv_heads) + ")");
   try {
     (void)workloads::parse_kind(f.workload);
   } catch (const std::exception&) {
@@ -178,9 +190,21 @@ template <typename Scalar>
 int run_all(const Flags& f) {
   using Mat = Matrix<Scalar>;
   const auto kind = workloads::parse_kind(f.workload);
-  const auto w =
-      workloads::make<Scalar>(kind, workloads::Params::shape(f.n, f.m, f.d, f.dv, f.seed));
-  Problem<Scalar> p{w.Q, w.K, w.V, f.causal, f.seed, f.repeat};
+  // One workload per key/value head g (seed + g) with n * (heads / kv_heads) queries: the query
+  // heads of group g take consecutive n-row slices of its queries, so each head's queries have
+  // the structure of its keys. Packed side by side (one head: the workload itself).
+  const Index group = f.heads / f.kv_heads;
+  Mat Q(f.n, f.heads * f.d), K(f.m, f.kv_heads * f.d), V(f.m, f.kv_heads * f.dv);
+  for (Index g = 0; g < f.kv_heads; ++g) {
+    const auto w = workloads::make<Scalar>(
+        kind, workloads::Params::shape(f.n * group, f.m, f.d, f.dv,
+                                       f.seed + static_cast<std::uint64_t>(g)));
+    K.middleCols(g * f.d, f.d) = w.K;
+    V.middleCols(g * f.dv, f.dv) = w.V;
+    for (Index j = 0; j < group; ++j)
+      Q.middleCols((g * group + j) * f.d, f.d) = w.Q.middleRows(j * f.n, f.n);
+  }
+  Problem<Scalar> p{Q, K, V, f.causal, f.seed, f.repeat, HeadLayout{f.heads, f.kv_heads}};
 
   auto all = compare::methods<Scalar>();
   if constexpr (std::is_same<Scalar, float>::value) {
@@ -239,8 +263,11 @@ int run_all(const Flags& f) {
     ExactOptions o;
     o.causal = causal;
     const ExactAttention<Scalar> ex(o);
+    const MultiHead<ExactAttention<Scalar>> mh(o, p.layout);
     Mat out;
-    const double t = compare::median_time(f.repeat, [&] { out = ex(p.Q, p.K, p.V); });
+    const double t = compare::median_time(f.repeat, [&] {
+      out = f.heads == 1 ? ex(p.Q, p.K, p.V) : Mat(mh.compute(p.Q, p.K, p.V).output);
+    });
     return exact.emplace(causal, std::make_pair(std::move(out), t)).first->second;
   };
 
@@ -323,13 +350,13 @@ int run_all(const Flags& f) {
 
   // Table.
   std::printf(
-      "effattn %d.%d.%d compare: %s workload, n = %ld, m = %ld, d = %ld, dv = %ld, %s, %s, "
-      "%d thread(s), seed %llu, median of %d call(s)\n",
+      "effattn %d.%d.%d compare: %s workload, n = %ld, m = %ld, d = %ld, dv = %ld, heads %ld / "
+      "kv heads %ld, %s, %s, %d thread(s), seed %llu, median of %d call(s)\n",
       EFFATTN_VERSION_MAJOR, EFFATTN_VERSION_MINOR, EFFATTN_VERSION_PATCH, f.workload.c_str(),
       static_cast<long>(f.n), static_cast<long>(f.m), static_cast<long>(f.d),
-      static_cast<long>(f.dv), f.use_double ? "double" : "float",
-      f.causal ? "causal" : "non-causal", max_threads(), static_cast<unsigned long long>(f.seed),
-      f.repeat);
+      static_cast<long>(f.dv), static_cast<long>(f.heads), static_cast<long>(f.kv_heads),
+      f.use_double ? "double" : "float", f.causal ? "causal" : "non-causal", max_threads(),
+      static_cast<unsigned long long>(f.seed), f.repeat);
   std::printf("%-11s %-34s %10s %10s %10s %8s  %s\n", "method", "policy / budget", "rel.err",
               "max.abs", "time[ms]", "speedup", "diagnostics");
   for (const auto& r : rows) {
@@ -350,10 +377,10 @@ int run_all(const Flags& f) {
     std::ofstream js(f.json);
     if (!js) usage_error("cannot write '" + f.json + "'");
     js << "{\n  \"n\": " << f.n << ", \"m\": " << f.m << ", \"d\": " << f.d << ", \"dv\": " << f.dv
-       << ",\n  \"workload\": \"" << f.workload << "\", \"scalar\": \""
-       << (f.use_double ? "double" : "float") << "\", \"causal\": " << (f.causal ? "true" : "false")
-       << ", \"threads\": " << max_threads() << ", \"seed\": " << f.seed
-       << ", \"repeat\": " << f.repeat << ",\n  \"rows\": [\n";
+       << ", \"heads\": " << f.heads << ", \"kv_heads\": " << f.kv_heads << ",\n  \"workload\": \""
+       << f.workload << "\", \"scalar\": \"" << (f.use_double ? "double" : "float")
+       << "\", \"causal\": " << (f.causal ? "true" : "false") << ", \"threads\": " << max_threads()
+       << ", \"seed\": " << f.seed << ", \"repeat\": " << f.repeat << ",\n  \"rows\": [\n";
     for (std::size_t i = 0; i < rows.size(); ++i) {
       const auto& r = rows[i];
       js << "    {\"method\": \"" << json_escape(r.method) << "\", \"config\": \""

@@ -29,6 +29,9 @@ struct Problem {
   bool causal;         ///< --causal
   std::uint64_t seed;  ///< --seed (methods' seeds)
   int repeat;          ///< timed calls
+  /// --heads / --kv-heads: Q is n x (heads d), K and V are m x (kv_heads d) in the packed layout
+  /// and every method runs through MultiHead<F>; 1 / 1 = one head, the functor called directly.
+  HeadLayout layout = {1, 1};
 };
 
 /// What a method adapter returns.
@@ -306,14 +309,32 @@ std::vector<Method<Scalar>> methods() {
         const auto opts = C::options(p, b);
         const F a(opts);
         typename F::Result last;
-        o.seconds = median_time(p.repeat, [&] { last = a.compute(p.Q, p.K, p.V); });
-        o.info = last.info;
-        o.output = last.output;
+        if (p.layout.heads == 1 && p.layout.kv_heads == 1) {
+          o.seconds = median_time(p.repeat, [&] { last = a.compute(p.Q, p.K, p.V); });
+          o.info = last.info;
+          o.output = last.output;
+        } else {
+          // Every (sequence, head) through MultiHead; the diagnostics shown are head 0's.
+          const MultiHead<F> mh(opts, p.layout);
+          MultiHeadResult<F> r;
+          o.seconds = median_time(p.repeat, [&] { r = mh.compute(p.Q, p.K, p.V); });
+          o.info = r.info;
+          o.output = r.output;
+          last = r.head(0, 0);
+          if constexpr (has_variance<typename F::Result>::value) {
+            // Per-head variances side by side, as the packed output.
+            o.variance.resize(r.output.rows(), r.output.cols());
+            const Index dv = r.output.cols() / p.layout.heads;
+            for (Index h = 0; h < p.layout.heads; ++h)
+              o.variance.middleCols(h * dv, dv) = r.head(0, h).variance;
+          }
+        }
         o.causal = T::causal_only;
         o.config = C::describe(opts, last);
         for (const Diagnostic& d : last.diagnostics()) o.diag[d.name] = d.value;
         if constexpr (has_rows<C, decltype(opts)>::value) o.rows = C::rows(opts);
-        if constexpr (has_variance<typename F::Result>::value) o.variance = last.variance;
+        if constexpr (has_variance<typename F::Result>::value)
+          if (o.variance.size() == 0) o.variance = last.variance;
         return o;
       };
       ms.push_back(std::move(m));

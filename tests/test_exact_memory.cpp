@@ -7,6 +7,7 @@
 #include "test_utils.hpp"
 
 #include <effattn/exact.hpp>
+#include <effattn/multi_head.hpp>
 #include <effattn/workloads.hpp>
 #include <utility>
 
@@ -71,5 +72,70 @@ TEMPLATE_TEST_CASE("The number of allocations does not grow with the number of t
       CHECK(large <= small + 4);
       CHECK(large < 64);
     }
+  }
+}
+
+TEST_CASE("MultiHead exact reads row-major inputs in place", "[exact][memory][multi_head]") {
+  // B = 4, heads = 16, kv_heads = 4, d = 128, L = 512, causal: the extra heap beyond the output
+  // is the per-thread tile workspaces, the per-(sequence, head) lse and the task plan, never a
+  // copy of Q, K or V (each 1 to 4 MiB here).
+  using RowMat = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+  const Index B = 4, H = 16, G = 4, d = 128, L = 512, T = B * L;
+  const RowMat Q = RowMat::Random(T, H * d), K = RowMat::Random(T, G * d),
+               V = RowMat::Random(T, G * d);
+  SeqOffsets cu{0};
+  for (Index b = 0; b < B; ++b) cu.push_back(cu.back() + L);
+  ExactOptions o;
+  o.causal = true;
+  const MultiHead<ExactAttentionf> mh(o, {H, G});
+  (void)mh.compute(Q.topRows(L), K.topRows(L), V.topRows(L));  // warm up OpenMP
+  MultiHeadResult<ExactAttentionf, Eigen::RowMajor> r;
+  const Stats s = track([&] { r = mh.compute(Q, K, V, cu, cu); });
+  REQUIRE(r.info == Info::Success);
+  const long long out_bytes = static_cast<long long>(T) * H * d * 4;
+  const long long lse_bytes = static_cast<long long>(T) * H * 4;
+  // One workspace per thread: bq x (d + bk + dv) floats with bq = 128, bk = 256 (2 score tiles).
+  const long long tile_bytes = 128LL * 256 * 4;
+  const long long threads = max_threads();
+  const long long extra = s.peak - out_bytes - lse_bytes;
+  INFO("peak " << s.peak << " B: output " << out_bytes << ", lse " << lse_bytes << ", rest "
+               << extra << " (" << threads << " threads; one tile " << tile_bytes
+               << " B); K is " << K.size() * 4 << " B");
+  CHECK(extra <= 2 * tile_bytes * threads + 64 * 1024);  // + the task plan (a few KiB)
+}
+
+TEST_CASE("Tiled backward allocates nothing n x m, and a tile-count-independent number of blocks",
+          "[exact][memory][gradients]") {
+  const Index n = 8192, d = 64;
+  for (const bool causal : {false, true}) {
+    ExactOptions o;
+    o.causal = causal;
+    const ExactAttentionf f(o);
+    const auto w = workloads::make<float>(workloads::Kind::Gaussian, n, d, 3);
+    const Matrix<float> dO = workloads::make<float>(workloads::Kind::Gaussian, n, d, 4).V;
+    const ExactResult<float> r = f.compute(w.Q, w.K, w.V);
+    REQUIRE(r.info == Info::Success);
+    AttentionGradients<float> g;
+    const Stats s = track([&] { g = f.backward(w.Q, w.K, w.V, r, dO); });
+    REQUIRE(g.dQ.rows() == n);
+    const long long scores_bytes =
+        static_cast<long long>(n) * n * static_cast<long long>(sizeof(float));
+    INFO("causal " << causal << ": peak extra heap " << s.peak << " B, largest block " << s.largest
+                   << " B, " << s.count << " allocations; n x m float scores would be "
+                   << scores_bytes << " B");
+    // dQ, dK, dV, s Q, K^T, V^T and 3 partial dQ sums: nine n x d float matrices of 2 MiB, plus
+    // per-thread tiles.
+    CHECK(s.largest <= static_cast<long long>(n * d * 4) + 4096);
+    CHECK(s.peak < 24LL * 1024 * 1024);
+    // Allocations per call and per thread (inputs prepared once, one workspace per thread), never
+    // per tile: the same count at 1/4 of the size (16x fewer tiles).
+    const auto small = workloads::make<float>(workloads::Kind::Gaussian, n / 4, d, 5);
+    const ExactResult<float> rs = f.compute(small.Q, small.K, small.V);
+    const Matrix<float> dOs = dO.topRows(n / 4);
+    (void)f.backward(small.Q, small.K, small.V, rs, dOs);  // warm-up
+    const Stats c = track([&] { (void)f.backward(small.Q, small.K, small.V, rs, dOs); });
+    INFO(c.count << " allocations at n = " << n / 4 << ", " << s.count << " at n = " << n);
+    CHECK(s.count <= c.count + 4);
+    CHECK(s.count < 64);
   }
 }

@@ -8,9 +8,11 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
+#include <effattn/core/errors.hpp>
 #include <effattn/core/types.hpp>
 
 #if defined(_OPENMP)
@@ -19,6 +21,22 @@
 
 namespace effattn {
 namespace testing {
+
+/// Runs `call()` and checks that it throws `effattn::invalid_argument` whose message contains
+/// `needle` (the argument or position the message must name).
+template <typename Call>
+void require_invalid_argument(Call&& call, const std::string& needle) {
+  try {
+    call();
+  } catch (const effattn::invalid_argument& e) {
+    INFO(e.what());
+    CHECK(std::string(e.what()).find(needle) != std::string::npos);
+    return;
+  } catch (...) {
+    FAIL("threw something other than effattn::invalid_argument");
+  }
+  FAIL("expected effattn::invalid_argument containing '" << needle << "'");
+}
 
 /// ||A - B||_F / ||B||_F, in double.
 template <typename DA, typename DB>

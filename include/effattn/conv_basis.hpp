@@ -15,6 +15,7 @@
 #include "core/checks.hpp"
 #include "core/errors.hpp"
 #include "core/types.hpp"
+#include "gradients.hpp"
 #include "numerics/fft.hpp"
 
 namespace effattn {
@@ -154,11 +155,12 @@ class ConvBasisAttention {
                 "policy::BinarySearch or policy::Grid");
 
  public:
-  using Scalar = Scalar_;                  ///< the scalar type (float or double)
-  using Options = ConvBasisOptions;        ///< the options struct
-  using Result = ConvBasisResult<Scalar>;  ///< the result of `compute`
-  using MatrixType = Matrix<Scalar>;       ///< `Matrix<Scalar>`
-  using Ref = ConstRef<Scalar>;            ///< the input type, `ConstRef<Scalar>`
+  using Scalar = Scalar_;                        ///< the scalar type (float or double)
+  using Options = ConvBasisOptions;              ///< the options struct
+  using Result = ConvBasisResult<Scalar>;        ///< the result of `compute`
+  using Gradients = AttentionGradients<Scalar>;  ///< the result of `backward`
+  using MatrixType = Matrix<Scalar>;             ///< `Matrix<Scalar>`
+  using Ref = ConstRef<Scalar>;                  ///< the input type, `ConstRef<Scalar>`
   /// An explicit n x n mask (true = the key is visible).
   using MaskRef = Eigen::Ref<const Eigen::Matrix<bool, Eigen::Dynamic, Eigen::Dynamic>>;
 
@@ -201,6 +203,49 @@ class ConvBasisAttention {
   /// \throws effattn::invalid_argument on a malformed basis or a V of the wrong shape.
   [[nodiscard]] Result apply(const conv_basis::Basis& basis, const Ref& V) const;
 
+  /// Gradients of a loss L through `compute(Q, K, V)`: given `result` = compute(Q, K, V) and
+  /// dO = dL/dO (n x dv), returns dQ, dK (n x d) and dV (n x dv) (`dbias` stays empty).
+  ///
+  /// **Which function is differentiated.** The Conv-Basis output as a function of Q, K and V
+  /// with the basis starts s_r frozen at `result.offsets` (the caveat P11 of the spec: the starts
+  /// are discrete, chosen by the recovery, and their dependence on Q, K is ignored; recompute
+  /// them every step or freeze them for a few). Everything else is differentiated: with
+  /// U_r[t] = s <q_{s_r + t}, k_{s_r}> (the basis column read from the logits), the logits are
+  /// H'[i, j] = U_r[i - j] for keys j in segment [s_r, s_{r+1}), and
+  /// Y = D^{-1} (M o exp(H')) V. For the Grid recovery (fixed starts) this is the exact
+  /// gradient of `compute`, and central finite differences of `compute` match it; for Scan and
+  /// BinarySearch it is the gradient wherever the recovered starts do not change. With k = n
+  /// (every column its own basis) H' is the causal logit matrix itself, and the result is the
+  /// exact causal attention gradient.
+  ///
+  /// **How** (in double, per block of `block_size`; O(k dv N log N) time, O((k + dv) N + n d)
+  /// memory, no n x n matrix). With P = D^{-1} A, A = sum_r T(c_r) S_r (segment form of
+  /// `conv_basis::evaluate`), X = D^{-1} dO and z_i = <dO_i, Y_i> / D_i:
+  /// - dV = A^T X: per basis r, rows [s_r, s_{r+1}) of the correlation of X with c_r (one
+  ///   inverse FFT per value column);
+  /// - dL/dU_r[t] = sum over the logits equal to U_r[t] of dS = P o (dO V^T - <dO_i, Y_i>), i.e.
+  ///   c_r[t] (a_r[t] - b_r[t]) with a_r[t] = sum_{j in segment r} <X_{j+t}, V_j> (dv
+  ///   correlations summed in the frequency domain, one inverse FFT per basis) and
+  ///   b_r[t] = sum_{j in segment r} z_{j+t} (prefix sums);
+  /// - dQ_{s_r + t} += s dU_r[t] k_{s_r}, dK_{s_r} += s sum_t dU_r[t] q_{s_r + t}: O(k n d).
+  ///
+  /// FFTs: dv + k (2 dv + 2) transforms of size N (the forward's size), about twice the
+  /// forward's dv (k + 1) + k. This is cheaper than the paper's gradient (Gu et al., Lemma B.9 and
+  /// Theorem 5.6: the exact softmax gradient with the attention matrix replaced by the
+  /// Conv-Basis one, O(d^2 k n log n) with d dv batched convolutions), which is not the
+  /// derivative of the forward: it agrees with this one at k = n, where both are exact. The
+  /// backward has no dynamic-range guard: its FFT round-off is absolute (~eps_Real log2 N times
+  /// the norms of the transformed columns), so rows the forward's guard had to recompute
+  /// (`result.rows_recomputed` > 0) may carry larger relative errors in their gradients. The
+  /// FFT path is always used (`conv_method` applies to the forward only). The mask is the
+  /// options' (window, block_size); a result of `compute(Q, K, V, mask)` with another mask is not
+  /// supported.
+  /// \throws effattn::invalid_argument on invalid Q, K, V (as `compute`), if `result` is not a
+  ///         successful result of these shapes with valid offsets (each block's starts beginning
+  ///         at the block start, strictly increasing), or if dO is not n x dv or not finite.
+  [[nodiscard]] Gradients backward(const Ref& Q, const Ref& K, const Ref& V, const Result& result,
+                                   const Ref& dO) const;
+
   /// The options this functor was built with.
   const Options& options() const noexcept { return m_opts; }
 
@@ -224,6 +269,7 @@ using ConvBasisAttentiond = ConvBasisAttention<double>;
 
 }  // namespace effattn
 
+#include "detail/conv_basis_backward_impl.hpp"
 #include "detail/conv_basis_impl.hpp"
 
 #ifdef EFFATTN_COMPILED

@@ -35,6 +35,7 @@
 #include "exact.hpp"
 #include "kep_svgp.hpp"
 #include "methods.hpp"
+#include "multi_head.hpp"
 #include "numerics/fft.hpp"
 #include "numerics/lambert_w.hpp"
 #include "numerics/nystrom.hpp"

@@ -14,6 +14,7 @@
 
 #include "core/errors.hpp"
 #include "core/types.hpp"
+#include "gradients.hpp"
 
 namespace effattn {
 
@@ -203,6 +204,12 @@ struct EvaResult : AttentionResult<Scalar> {
 /// auto r = effattn::EvaAttentionf(o).compute(Q, K, V);   // r.output: 4096 x 64
 /// \endcode
 ///
+/// \par Gradients
+/// No `backward` yet (only `PerformerAttention` has one): in deterministic mode (`samples` = 0)
+/// the output is smooth in Q, K, V, but its chunk proposals, control-variate coefficients and
+/// exact local blocks make the chain rule a sizeable kernel of its own, not the few feature
+/// products of the Performer's.
+///
 /// \par Threading
 /// `compute` is const and keeps no state: one functor may be shared by any number of threads.
 template <typename Scalar_, typename Policy = policy::ControlVariates>
@@ -358,6 +365,27 @@ class PerformerAttention {
     if (r.info != Info::Success) detail::throw_numerical_error(name, r.info);
     return std::move(r.output);
   }
+
+  /// Result of `backward`.
+  using Gradients = AttentionGradients<Scalar>;
+
+  /// Gradients of a loss L through `compute(Q, K, V)` with the random features held fixed (those
+  /// of `result.omega`, i.e. the same seed): given dO = dL/dO (n x dv), returns dQ (n x d),
+  /// dK (m x d) and dV (m x dv), the exact derivative of the Performer output. In the log domain
+  /// of `compute`, with l_{s,m} = w_s.k~_m - |k~_m|^2/2, beta_s = softmax_m(l_s),
+  /// a_s = logsumexp_m(l_s), B = beta V (S x dv), g_{n,s} = w_s.q~_n + a_s, pi = softmax_s(g)
+  /// and O = pi B, the chain rule is two softmax backwards:
+  /// dB = pi^T dO, dg = pi o (dO B^T - rowsum(dO o O)), dQ = sqrt(s) dg W,
+  /// dV = beta^T dB, dl = beta o (dB V^T - rowsum(dB o B) + 1^T dg), and
+  /// dk~_m = sum_s dl_{s,m} (w_s - k~_m), dK = sqrt(s) dk~. Products of n x S and S x m feature
+  /// matrices in double: O((n + m) S (d + dv)) time and O((n + m) S) memory, nothing n x m. The
+  /// features are random, so this is the gradient of one draw (of the estimator), not of exact
+  /// softmax attention.
+  /// \throws effattn::invalid_argument on invalid Q, K, V (as `compute`), if `result` is not a
+  ///         successful result of these shapes (output n x dv, omega S x d), or if dO is not
+  ///         n x dv or not finite.
+  [[nodiscard]] Gradients backward(const Ref& Q, const Ref& K, const Ref& V, const Result& result,
+                                   const Ref& dO) const;
 
   /// The number of random features used (`Options::samples`, or 64 when it is 0).
   [[nodiscard]] Index features() const noexcept {

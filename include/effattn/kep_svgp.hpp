@@ -245,6 +245,13 @@ struct KepSvgpResult : AttentionResult<Scalar> {
 ///     Q, K, r, effattn::kepsvgp::SampleMode::Joint, std::uint64_t{7});
 /// \endcode
 ///
+/// \par Gradients
+/// No `backward`: the posterior mean and variance go through an eigendecomposition / Cholesky of
+/// the s x s inducing-point kernel and randomised inducing points; a gradient would need the
+/// derivative of that factorisation (and a choice about the random draw), which the method's
+/// training objective (the ELBO of the paper) handles separately. Use `ExactAttention::backward`
+/// for the attention itself.
+///
 /// \par Threading and determinism
 /// `compute` is const and keeps no state. Kernel blocks run in parallel (OpenMP) with a fixed
 /// decomposition and fixed summation groups, and every other product runs with Eigen's GEMM in

@@ -148,6 +148,12 @@ struct VccResult : AttentionResult<Scalar> {
 /// Eigen::MatrixXf O = BestFirst(b)(Q, K, V, {0, 1, 2, 3});  // VIP rows as an argument
 /// \endcode
 ///
+/// \par Gradients
+/// No `backward`: which tokens stay exact and which are merged into compressed ones is a
+/// discrete, data-dependent selection (the VIP-scored tree), so the output is piecewise smooth
+/// with jumps where the selection changes; the gradient with the selection frozen would be that
+/// of a different model at every step. Use `ExactAttention::backward`.
+///
 /// \par Threading
 /// `compute` is const and keeps no state. Every parallel loop has a decomposition fixed by the
 /// shapes, so results (and the selected J, including its ties) are bit-identical for any number

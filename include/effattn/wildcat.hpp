@@ -202,6 +202,13 @@ struct WildcatResult : AttentionResult<Scalar> {
 /// \tparam PivotRule policy::AcceleratedRandomlyPivoted (default), policy::RandomlyPivoted or
 ///         policy::GreedyPivoted (deterministic, for ablations).
 ///
+/// \par Gradients
+/// No `backward`: the output depends on Q, K through discrete choices (the randomly pivoted
+/// Cholesky pivots and the query-radius bins) and, between those, through a pseudo-inverse of a
+/// pivot kernel block whose derivative is ill-conditioned exactly when the rank is large enough
+/// to be accurate. Differentiate exact attention (`ExactAttention::backward`) instead, or hold
+/// the coreset fixed and differentiate `weighted_attention` by hand.
+///
 /// \par Example
 /// \code{.cpp}
 /// effattn::WildcatAttentionf::Options o;

@@ -1,8 +1,9 @@
 // libFuzzer target for every effattn functor of effattn::MethodList, one chosen per process by
 // the environment variable EFFATTN_FUZZ_METHOD (exact, naive, eva, performer, vcc, conv_basis,
-// wildcat, kep_svgp; EFFATTN_FUZZ_LIST=1 prints them). The input bytes decode
-// shapes, options and matrix contents (NaN, Inf, denormals, huge and tiny magnitudes, duplicated
-// and zero rows); the target checks the library contract:
+// wildcat, kep_svgp, and multi_head: MultiHead<ExactAttention> on packed batches;
+// EFFATTN_FUZZ_LIST=1 prints them). The input bytes decode shapes, options and matrix contents
+// (NaN, Inf, denormals, huge and tiny magnitudes, duplicated and zero rows); the target checks the
+// library contract:
 //  - either a documented exception (effattn::invalid_argument) is thrown,
 //  - or the output is n x dv, and info == Success implies every entry is finite, and every finite
 //    entry lies inside [min, max] of its column of V (up to round-off): all these methods return
@@ -13,6 +14,7 @@
 // against effattn::compiled (built with the same instrumentation), so the default-policy
 // functors are compiled once, in parallel, outside this file.
 #include <effattn/methods.hpp>
+#include <effattn/multi_head.hpp>
 
 #include <cmath>
 #include <cstdint>
@@ -266,6 +268,73 @@ struct FuzzConfig<KepSvgpAttention<S>> {
   }
 };
 
+/// The "multi_head" target: MultiHead<ExactAttention> (Tiled) on a packed batch whose layout,
+/// offsets (valid or not), seqused_k, storage order and mask come from the input bytes. Bad
+/// layouts and offsets must throw invalid_argument; otherwise every output row of head h must be
+/// a convex combination of the value rows its sequence uses (|slack| 1e-3), and ASan checks that
+/// nothing outside the inputs is read.
+template <typename Scalar>
+void run_multi_head(Bytes& b) {
+  const std::uint8_t a = b.next(), c = b.next(), e = b.next();
+  const Index kv = 1 + (a & 3),
+              heads = kv * (1 + ((a >> 2) & 3)) + ((a >> 4) & 1);  // may not divide
+  const Index d = 1 + (c & 7), dv = 1 + ((c >> 3) & 7), B = 1 + (e & 3);
+  const bool causal = (e & 4) != 0, row_major = (e & 8) != 0, use_seqused = (e & 16) != 0;
+  SeqOffsets cq{0}, ck{0};
+  std::vector<Index> used;
+  for (Index s = 0; s < B; ++s) {
+    const std::uint8_t l = b.next();
+    cq.push_back(cq.back() + (l & 7));
+    ck.push_back(ck.back() + ((l >> 3) & 31));
+    used.push_back((b.next() & 31));
+  }
+  if (e & 32) cq[static_cast<std::size_t>(b.next() % (B + 1))] += 1;  // maybe invalid offsets
+  const Index tq = std::max<Index>(0, cq.back()), tk = std::max<Index>(0, ck.back());
+  using RowM = Eigen::Matrix<Scalar, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+  const Matrix<Scalar> Q = matrix<Scalar>(b, tq, heads * d, 0);
+  const Matrix<Scalar> K = matrix<Scalar>(b, tk, kv * d, 0);
+  const Matrix<Scalar> V = matrix<Scalar>(b, tk, kv * dv, 0);
+  ExactOptions o;
+  o.causal = causal;
+  o.block_q = b.next() & 3;
+  o.block_k = b.next() & 7;
+  try {
+    const MultiHead<ExactAttention<Scalar>> mh(o, {heads, kv});
+    const std::vector<Index> none;
+    const auto r =
+        row_major
+            ? Matrix<Scalar>(
+                  mh.compute(RowM(Q), RowM(K), RowM(V), cq, ck, use_seqused ? used : none).output)
+            : mh.compute(Q, K, V, cq, ck, use_seqused ? used : none).output;
+    if (r.rows() != tq || r.cols() != heads * dv) {
+      std::fprintf(stderr, "wrong multi-head output shape\n");
+      std::abort();
+    }
+    for (Index s = 0; s < B; ++s) {
+      const std::size_t i = static_cast<std::size_t>(s);
+      const Index nk = use_seqused ? used[i] : ck[i + 1] - ck[i];
+      for (Index h = 0; h < heads; ++h) {
+        const Index g = h / (heads / kv);
+        const auto Vs = V.block(ck[i], g * dv, nk, dv);
+        for (Index cc = 0; cc < dv; ++cc) {
+          const double lo = static_cast<double>(Vs.col(cc).minCoeff());
+          const double hi = static_cast<double>(Vs.col(cc).maxCoeff());
+          const double slack = 1e-3 * std::max(1.0, std::max(std::abs(lo), std::abs(hi)));
+          for (Index q = cq[i]; q < cq[i + 1]; ++q) {
+            const double x = static_cast<double>(r(q, h * dv + cc));
+            if (std::isfinite(x) && (x < lo - slack || x > hi + slack)) {
+              std::fprintf(stderr, "multi-head output %g outside [%g, %g]\n", x, lo, hi);
+              std::abort();
+            }
+          }
+        }
+      }
+    }
+  } catch (const effattn::invalid_argument&) {
+    // Documented: bad layouts, offsets, seqused_k, non-finite inputs.
+  }
+}
+
 /// The fuzz target chosen by EFFATTN_FUZZ_METHOD (an `id` above), set once per process.
 std::string& selected() {
   static std::string id;
@@ -274,6 +343,10 @@ std::string& selected() {
 
 template <typename Scalar>
 void run(Bytes& b) {
+  if (selected() == "multi_head") {
+    run_multi_head<Scalar>(b);
+    return;
+  }
   const std::uint8_t shape = b.next(), shape2 = b.next(), opt = b.next(), opt2 = b.next();
   const Index n = 1 + (shape & 15), m = 1 + (shape >> 4), d = 1 + (shape2 & 7),
               dv = 1 + ((shape2 >> 3) & 7);
@@ -305,10 +378,11 @@ extern "C" int LLVMFuzzerInitialize(int*, char***) {
   if (std::getenv("EFFATTN_FUZZ_LIST") != nullptr) {
     for_each_method<float>(
         [](auto tag) { std::printf("%s\n", FuzzConfig<typename decltype(tag)::type>::id); });
+    std::printf("multi_head\n");
     std::exit(0);
   }
   const char* id = std::getenv("EFFATTN_FUZZ_METHOD");
-  bool known = false;
+  bool known = id != nullptr && std::string(id) == "multi_head";
   for_each_method<float>([&](auto tag) {
     known |= id != nullptr && std::string(FuzzConfig<typename decltype(tag)::type>::id) == id;
   });

@@ -40,6 +40,20 @@ void parallel_for(Index count, MakeWorkspace&& make_workspace, Body&& body) {
   if (count <= 0) return;
   std::exception_ptr error;
 #if EFFATTN_HAS_OPENMP
+  if (omp_in_parallel()) {
+    // Already inside a parallel region (a MultiHead task, a WildCat bin, a user's region):
+    // run on this thread without opening a nested one. A nested region would be a team of one
+    // whose Eigen GEMMs pick their blocking for omp_get_max_threads() threads, so results
+    // would depend on the thread count; here Eigen sees the enclosing team and stays serial.
+    try {
+      auto workspace = make_workspace();
+      for (Index t = 0; t < count; ++t) body(t, workspace);
+    } catch (...) {
+      error = std::current_exception();
+    }
+    if (error) std::rethrow_exception(error);
+    return;
+  }
   std::mutex error_mutex;
   // The region is opened even for a single task: inside it Eigen's GEMM is always serial, so
   // every task computes bit-identical results whatever the thread count.

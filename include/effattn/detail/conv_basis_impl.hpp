@@ -195,26 +195,75 @@ inline void direct_row(const Basis& b, const Matrix<double>& Vd, Index i, Vector
   Y.row(i) = ((Vd.topRows(i + 1).transpose() * wi) / sum).transpose();
 }
 
+/// mu = the largest logit of the basis (the shift of every kernel; -inf or +inf when the logits
+/// are not finite).
+inline double basis_max(const Basis& b) {
+  double mu = -std::numeric_limits<double>::infinity();
+  for (const auto& U : b.columns) mu = std::max(mu, U.maxCoeff());
+  return mu;
+}
+
+/// The segment-form terms of basis `b`: kernel c_r = exp(U_r - mu) over keys [s_r, s_{r+1}).
+inline std::vector<fft::ConvTerm<double>> basis_terms(const Basis& b, double mu) {
+  const Index k = b.size();
+  std::vector<fft::ConvTerm<double>> terms(static_cast<std::size_t>(k));
+  for (Index r = 0; r < k; ++r) {
+    auto& t = terms[static_cast<std::size_t>(r)];
+    t.kernel = (b.columns[static_cast<std::size_t>(r)].array() - mu).exp().matrix();
+    t.offset = b.starts[static_cast<std::size_t>(r)];
+    t.end = r + 1 < k ? b.starts[static_cast<std::size_t>(r + 1)] : b.n;
+  }
+  return terms;
+}
+
+/// Denominators of the segment-form `terms` of an n-token basis: D_i = sum_r sum_{lag in
+/// [max(0, i - e_r + 1), min(i - s_r, K_r - 1)]} c_r[lag], by O(k n) prefix / suffix sums; D_err
+/// receives the cancellation estimate (see `evaluate`).
+inline void basis_denominators(const std::vector<fft::ConvTerm<double>>& terms, Index n,
+                               Vector<double>& D, Vector<double>& D_err) {
+  // A difference of prefix sums cancels when the excluded lags carry most of the mass, so each
+  // row takes the side (prefix or suffix) with the smaller excluded mass, in long double, and
+  // the remaining cancellation estimate goes to the guard.
+  D.setZero(n);
+  D_err.setZero(n);
+  std::vector<long double> P(static_cast<std::size_t>(n) + 1), S(static_cast<std::size_t>(n) + 1);
+  for (const auto& t : terms) {
+    const Index K = t.kernel.size();
+    P[0] = 0;
+    for (Index x = 0; x < K; ++x)
+      P[static_cast<std::size_t>(x + 1)] = P[static_cast<std::size_t>(x)] + t.kernel(x);
+    S[static_cast<std::size_t>(K)] = 0;
+    for (Index x = K - 1; x >= 0; --x)
+      S[static_cast<std::size_t>(x)] = S[static_cast<std::size_t>(x + 1)] + t.kernel(x);
+    for (Index i = t.offset; i < n; ++i) {
+      const Index lo = std::max<Index>(0, i - t.end + 1), hi = std::min(i - t.offset, K - 1);
+      if (lo > hi) continue;
+      const auto ul = static_cast<std::size_t>(lo), uh = static_cast<std::size_t>(hi + 1);
+      // Use the side whose excluded mass (what cancels) is smaller.
+      const long double ex_p = P[ul], ex_s = S[uh];
+      const long double v = ex_p <= ex_s ? P[uh] - P[ul] : S[ul] - S[uh];
+      D(i) += static_cast<double>(v);
+      D_err(i) += static_cast<double>(std::min(ex_p, ex_s));
+    }
+  }
+}
+
 /// `evaluate` in double, whatever the data type (so float and double data share one
 /// instantiation): output in double, `finite` = false only when the logits overflowed.
 template <typename Backend, typename Real>
 Evaluation<double> evaluate_double(const Basis& b, const Matrix<double>& Vd, const EvalParams& ep) {
   const Index n = b.n, k = b.size();
   Evaluation<double> ev;
-  double mu = -std::numeric_limits<double>::infinity();
-  for (const auto& U : b.columns) mu = std::max(mu, U.maxCoeff());
+  const double mu = basis_max(b);
   if (!std::isfinite(mu)) {
     ev.finite = false;
     return ev;
   }
-  std::vector<fft::ConvTerm<double>> terms(static_cast<std::size_t>(k));
+  const std::vector<fft::ConvTerm<double>> terms = basis_terms(b, mu);
   // Absolute error bound of each column's numerator (before the eps log2 N factor).
   Vector<double> fft_err = Vector<double>::Zero(Vd.cols());
   for (Index r = 0; r < k; ++r) {
-    auto& t = terms[static_cast<std::size_t>(r)];
-    t.kernel = (b.columns[static_cast<std::size_t>(r)].array() - mu).exp().matrix();
-    t.offset = b.starts[static_cast<std::size_t>(r)];
-    t.end = r + 1 < k ? b.starts[static_cast<std::size_t>(r + 1)] : n;
+    const auto& t = terms[static_cast<std::size_t>(r)];
     // blueNorm, not norm(): the kernel entries exp(U - mu) can be ~1e-183, whose squares
     // underflow to 0; a zero bound then let FFT round-off of that size through the guard on rows
     // whose denominator is smaller still (found by fuzz_conv_basis, see the regression test
@@ -223,33 +272,8 @@ Evaluation<double> evaluate_double(const Basis& b, const Matrix<double>& Vd, con
                Vd.middleRows(t.offset, t.end - t.offset).colwise().blueNorm().transpose();
   }
   // Denominators: D_i = sum_r sum_{lag in [max(0, i - e_r + 1), min(i - s_r, K_r - 1)]} c_r[lag].
-  // A difference of prefix sums cancels when the excluded lags carry most of the mass, so each
-  // row takes the side (prefix or suffix) with the smaller excluded mass, in long double, and
-  // the remaining cancellation estimate goes to the guard.
-  Vector<double> D = Vector<double>::Zero(n), D_err = Vector<double>::Zero(n);
-  {
-    std::vector<long double> P(static_cast<std::size_t>(n) + 1), S(static_cast<std::size_t>(n) + 1);
-    for (Index r = 0; r < k; ++r) {
-      const auto& t = terms[static_cast<std::size_t>(r)];
-      const Index K = t.kernel.size();
-      P[0] = 0;
-      for (Index x = 0; x < K; ++x)
-        P[static_cast<std::size_t>(x + 1)] = P[static_cast<std::size_t>(x)] + t.kernel(x);
-      S[static_cast<std::size_t>(K)] = 0;
-      for (Index x = K - 1; x >= 0; --x)
-        S[static_cast<std::size_t>(x)] = S[static_cast<std::size_t>(x + 1)] + t.kernel(x);
-      for (Index i = t.offset; i < n; ++i) {
-        const Index lo = std::max<Index>(0, i - t.end + 1), hi = std::min(i - t.offset, K - 1);
-        if (lo > hi) continue;
-        const auto ul = static_cast<std::size_t>(lo), uh = static_cast<std::size_t>(hi + 1);
-        // Use the side whose excluded mass (what cancels) is smaller.
-        const long double ex_p = P[ul], ex_s = S[uh];
-        const long double v = ex_p <= ex_s ? P[uh] - P[ul] : S[ul] - S[uh];
-        D(i) += static_cast<double>(v);
-        D_err(i) += static_cast<double>(std::min(ex_p, ex_s));
-      }
-    }
-  }
+  Vector<double> D, D_err;
+  basis_denominators(terms, n, D, D_err);
   fft::ConvOptions co;
   co.method = ep.method;
   co.rigor = ep.rigor;

@@ -29,6 +29,7 @@
 #include "../core/random.hpp"
 #include "../core/types.hpp"
 #include "../eva.hpp"
+#include "../gradients.hpp"
 
 namespace effattn {
 namespace detail {
@@ -716,6 +717,49 @@ typename PerformerAttention<Scalar_>::Result PerformerAttention<Scalar_>::comput
   r.omega = lv[0].omegaT.transpose();
   r.info = detail::all_finite(r.output) ? Info::Success : Info::NumericalIssue;
   return r;
+}
+
+template <typename Scalar_>
+typename PerformerAttention<Scalar_>::Gradients PerformerAttention<Scalar_>::backward(
+    const Ref& Q, const Ref& K, const Ref& V, const Result& result, const Ref& dO) const {
+  using MatD = Matrix<double>;
+  detail::check_attention_inputs(Q, K, V, name);
+  const Index n = Q.rows(), d = Q.cols();
+  detail::check_backward_args<Scalar>(name, n, V.cols(), result.output, result.info, dO);
+  EFFATTN_CHECK(
+      result.omega.rows() == result.features && result.omega.cols() == d,
+      detail::cat(name, ": result.omega must be S x d = ", result.features, " x ", d,
+                  " (the forward result of these Q, K, V); got ", detail::shape(result.omega)));
+  const double rs = std::sqrt(detail::resolve_scale(m_opts.scale, d));
+  const MatD W = result.omega.template cast<double>();  // S x d
+  const MatD Qt = Q.template cast<double>() * rs, Kt = K.template cast<double>() * rs;
+  const MatD Vd = V.template cast<double>(), dOd = dO.template cast<double>();
+  // Key side: l (S x m) -> beta = row softmax, a = row log-sum-exp, B = beta V.
+  MatD beta = W * Kt.transpose();
+  beta.rowwise() -= 0.5 * Kt.rowwise().squaredNorm().transpose();
+  const Vector<double> a = row_softmax_inplace(beta);
+  const MatD B = beta * Vd;  // S x dv
+  // Query side: g = Qt W^T + 1 a^T, pi = row softmax, O = pi B.
+  MatD pi = Qt * W.transpose();
+  pi.rowwise() += a.transpose();
+  row_softmax_inplace(pi);
+  const MatD O = pi * B;
+  // Softmax backward over the features, then over the keys.
+  const MatD dB = pi.transpose() * dOd;
+  MatD dg = dOd * B.transpose();
+  dg.colwise() -= dOd.cwiseProduct(O).rowwise().sum();
+  dg = pi.cwiseProduct(dg);
+  MatD dl = dB * Vd.transpose();  // S x m
+  Vector<double> shift = dB.cwiseProduct(B).rowwise().sum() - dg.colwise().sum().transpose();
+  dl.colwise() -= shift;
+  dl = beta.cwiseProduct(dl);
+  Gradients g;
+  g.dQ = (rs * (dg * W)).template cast<Scalar>();
+  g.dV = (beta.transpose() * dB).template cast<Scalar>();
+  MatD dKt = dl.transpose() * W;  // m x d
+  dKt -= Kt.cwiseProduct(dl.colwise().sum().transpose().replicate(1, d));
+  g.dK = (rs * dKt).template cast<Scalar>();
+  return g;
 }
 
 }  // namespace effattn

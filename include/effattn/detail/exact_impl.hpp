@@ -20,17 +20,17 @@
 namespace effattn {
 namespace detail {
 
-/// The Naive kernel, computed entirely in double: S = (s Q) K^T + 1 b^T with the causal mask as
-/// -inf, P = row_softmax(S) (max-subtracted, sums in double), O = P V, lse = the row
-/// log-sum-exp values. 2 n m (d + dv) flops, n m doubles of memory.
+/// The softmax probabilities of the Naive kernel, in double: S = (s Q) K^T + 1 b^T with the
+/// causal mask as -inf, replaced in place by row_softmax(S) (max-subtracted, sums in double);
+/// returns the row log-sum-exp values. n m doubles of memory, 2 n m d flops. Shared by the Naive
+/// forward and backward.
 template <typename Scalar>
-void exact_naive(const ConstRef<Scalar>& Q, const ConstRef<Scalar>& K, const ConstRef<Scalar>& V,
-                 const Scalar* bias, double scale, bool causal, Matrix<Scalar>& out,
-                 Vector<Scalar>& lse) {
-  using MatD = Matrix<double>;
+Vector<double> naive_probabilities(const ConstRef<Scalar>& Q, const ConstRef<Scalar>& K,
+                                   const Scalar* bias, double scale, bool causal,
+                                   Matrix<double>& S) {
   const Index n = Q.rows(), m = K.rows();
   const Index off = m - n;
-  MatD S = (Q.template cast<double>() * scale) * K.template cast<double>().transpose();
+  S.noalias() = (Q.template cast<double>() * scale) * K.template cast<double>().transpose();
   if (bias != nullptr)
     for (Index j = 0; j < m; ++j) S.col(j).array() += static_cast<double>(bias[j]);
   if (causal)
@@ -38,32 +38,20 @@ void exact_naive(const ConstRef<Scalar>& Q, const ConstRef<Scalar>& K, const Con
       const Index hidden = std::min(n, std::max<Index>(0, j - off));  // rows i < j - off
       S.col(j).head(hidden).setConstant(-std::numeric_limits<double>::infinity());
     }
-  const Vector<double> lse_d = row_softmax_inplace(S);
-  const MatD O = S * V.template cast<double>();
-  out = O.template cast<Scalar>();
-  lse = lse_d.template cast<Scalar>();
+  return row_softmax_inplace(S);
 }
 
-/// Validates a key bias of m entries for n queries: finite or -inf, and at least one key visible
-/// to query 0 (which sees the fewest keys: 0 .. m - n with `causal`, all of them otherwise).
-/// O(m). \throws effattn::invalid_argument naming `method`.
+/// The Naive kernel, computed entirely in double: P = `naive_probabilities`, O = P V, lse = the
+/// row log-sum-exp values. 2 n m (d + dv) flops, n m doubles of memory.
 template <typename Scalar>
-void check_key_bias(const ConstVectorRef<Scalar>& key_bias, Index n, Index m, bool causal,
-                    const char* method) {
-  EFFATTN_CHECK(key_bias.size() == m, cat(method, ": key_bias must have m = K.rows() = ", m,
-                                          " entries; got ", key_bias.size()));
-  Index first_visible = -1;
-  for (Index j = 0; j < key_bias.size(); ++j) {
-    const Scalar b = key_bias(j);
-    EFFATTN_CHECK(
-        !std::isnan(b) && b != std::numeric_limits<Scalar>::infinity(),
-        cat(method, ": key_bias must be finite or -inf (a masked key); got ", b, " at index ", j));
-    if (first_visible < 0 && std::isfinite(b)) first_visible = j;
-  }
-  const Index last_allowed = causal ? m - n : m - 1;
-  EFFATTN_CHECK(first_visible >= 0 && first_visible <= last_allowed,
-                cat(method, ": key_bias masks every key visible to query 0 (first unmasked key: ",
-                    first_visible, ")"));
+void exact_naive(const ConstRef<Scalar>& Q, const ConstRef<Scalar>& K, const ConstRef<Scalar>& V,
+                 const Scalar* bias, double scale, bool causal, Matrix<Scalar>& out,
+                 Vector<Scalar>& lse) {
+  Matrix<double> S;
+  const Vector<double> lse_d = naive_probabilities<Scalar>(Q, K, bias, scale, causal, S);
+  const Matrix<double> O = S * V.template cast<double>();
+  out = O.template cast<Scalar>();
+  lse = lse_d.template cast<Scalar>();
 }
 
 /// Validates Q, K, V for `method` (shapes, finiteness, causal needs m >= n). Any scalar type
@@ -99,7 +87,7 @@ void exact_bf16(const Eigen::Ref<const Matrix<In>>& Q, const Eigen::Ref<const Ma
 template <typename Scalar_, typename Policy>
 typename ExactAttention<Scalar_, Policy>::Result ExactAttention<Scalar_, Policy>::compute(
     const Ref& Q, const Ref& K, const Ref& V, const ConstVectorRef<Scalar>& key_bias) const {
-  detail::check_key_bias(key_bias, Q.rows(), K.rows(), m_opts.causal, name);
+  check_key_bias(key_bias, Q.rows(), K.rows());
   return run(Q, K, V, key_bias.data());
 }
 
@@ -107,15 +95,42 @@ template <typename Scalar_, typename Policy>
 typename ExactAttention<Scalar_, Policy>::Result ExactAttention<Scalar_, Policy>::compute(
     const Bf16Ref& Q, const Bf16Ref& K, const Bf16Ref& V,
     const ConstVectorRef<Scalar>& key_bias) const {
-  detail::check_key_bias(key_bias, Q.rows(), K.rows(), m_opts.causal, name);
+  check_key_bias(key_bias, Q.rows(), K.rows());
   return run_bf16(Q, K, V, key_bias.data());
+}
+
+template <typename Scalar_, typename Policy>
+void ExactAttention<Scalar_, Policy>::check_key_bias(const ConstVectorRef<Scalar>& key_bias,
+                                                     Index n, Index m) const {
+  EFFATTN_CHECK(key_bias.size() == m, detail::cat(name, ": key_bias must have m = K.rows() = ", m,
+                                                  " entries; got ", key_bias.size()));
+  Index first_visible = -1;
+  for (Index j = 0; j < key_bias.size(); ++j) {
+    const Scalar b = key_bias(j);
+    EFFATTN_CHECK(!std::isnan(b) && b != std::numeric_limits<Scalar>::infinity(),
+                  detail::cat(name, ": key_bias must be finite or -inf (a masked key); got ", b,
+                              " at index ", j));
+    if (first_visible < 0 && std::isfinite(b)) first_visible = j;
+  }
+  // Query 0 sees the fewest keys: 0 .. m - n with `causal`, all of them otherwise.
+  const Index last_allowed = m_opts.causal ? m - n : m - 1;
+  EFFATTN_CHECK(
+      first_visible >= 0 && first_visible <= last_allowed,
+      detail::cat(name, ": key_bias masks every key visible to query 0 (first unmasked key: ",
+                  first_visible, ")"));
+}
+
+template <typename Scalar_, typename Policy>
+double ExactAttention<Scalar_, Policy>::check_inputs(const Ref& Q, const Ref& K,
+                                                     const Ref& V) const {
+  detail::check_exact_inputs(Q, K, V, m_opts.causal, name);
+  return detail::resolve_scale(m_opts.scale, Q.cols());
 }
 
 template <typename Scalar_, typename Policy>
 typename ExactAttention<Scalar_, Policy>::Result ExactAttention<Scalar_, Policy>::run(
     const Ref& Q, const Ref& K, const Ref& V, const Scalar* bias) const {
-  detail::check_exact_inputs(Q, K, V, m_opts.causal, name);
-  const double scale = detail::resolve_scale(m_opts.scale, Q.cols());
+  const double scale = check_inputs(Q, K, V);
   Result r;
   if constexpr (std::is_same_v<Policy, policy::Naive>) {
     detail::exact_naive<Scalar>(Q, K, V, bias, scale, m_opts.causal, r.output, r.lse);

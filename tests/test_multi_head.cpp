@@ -1,0 +1,374 @@
+// MultiHead<F>: every method of the method list over packed, ragged, GQA / MQA batches equals its
+// per-(sequence, head) single calls; decoding equals the double-precision reference; bad input
+// throws invalid_argument naming the argument; results do not depend on the thread count.
+#include "method_configs.hpp"
+#include "test_utils.hpp"
+
+#include <effattn/multi_head.hpp>
+#include <effattn/workloads.hpp>
+
+#include <random>
+#include <string>
+#include <vector>
+
+#if EFFATTN_HAS_OPENMP
+#include <omp.h>
+#endif
+
+using namespace effattn;
+
+namespace {
+
+template <typename S>
+using RowMat = Eigen::Matrix<S, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+
+SeqOffsets offsets_of(const std::vector<Index>& lengths) {
+  SeqOffsets cu{0};
+  for (const Index l : lengths) cu.push_back(cu.back() + l);
+  return cu;
+}
+
+/// Random packed Q, K, V (row-major, as a model's projections produce) with clustered-ish
+/// logits: N(0, 1) entries, scaled so that softmax is neither flat nor one-hot.
+template <typename S>
+struct Packed {
+  RowMat<S> Q, K, V;
+  Packed(Index tq, Index tk, Index H, Index G, Index d, Index dv, unsigned seed) {
+    std::mt19937 gen(seed);
+    std::normal_distribution<double> nd(0.0, 1.0);
+    auto fill = [&](RowMat<S>& X, Index r, Index c, double s) {
+      X.resize(r, c);
+      for (Index i = 0; i < r; ++i)
+        for (Index j = 0; j < c; ++j) X(i, j) = static_cast<S>(s * nd(gen));
+    };
+    fill(Q, tq, H * d, 1.5);
+    fill(K, tk, G * d, 1.5);
+    fill(V, tk, G * dv, 1.0);
+  }
+};
+
+/// The per-(sequence, head) calls of F, in one serial region (Eigen's GEMMs serial, as inside
+/// MultiHead's tasks), written into a packed T_q x (H dv) matrix.
+template <typename F, typename S>
+Matrix<S> per_head_reference(const F& f, const HeadLayout& L, const Matrix<S>& Q,
+                             const Matrix<S>& K, const Matrix<S>& V, const SeqOffsets& cq,
+                             const SeqOffsets& ck) {
+  const Index H = L.heads, G = L.kv_heads == 0 ? H : L.kv_heads, d = Q.cols() / H,
+              dv = V.cols() / G;
+  Matrix<S> out = Matrix<S>::Zero(Q.rows(), H * dv);
+  detail::run_serial([&] {
+    for (std::size_t b = 0; b + 1 < cq.size(); ++b) {
+      const Index q0 = cq[b], nq = cq[b + 1] - q0, k0 = ck[b], nk = ck[b + 1] - k0;
+      if (nq == 0) continue;
+      for (Index h = 0; h < H; ++h) {
+        const Index g = h / (H / G);
+        const auto r = f.compute(Q.block(q0, h * d, nq, d), K.block(k0, g * d, nk, d),
+                                 V.block(k0, g * dv, nk, dv));
+        REQUIRE(r.info == Info::Success);
+        out.block(q0, h * dv, nq, dv) = r.output;
+      }
+    }
+  });
+  return out;
+}
+
+template <typename S>
+double rel_err(const Matrix<S>& a, const Matrix<S>& b) {
+  return static_cast<double>((a - b).norm()) / std::max(1e-300, static_cast<double>(b.norm()));
+}
+
+/// Small-budget options of F (the method's `approx` configuration; for exact attention small
+/// tiles, so that sequences span several blocks).
+template <typename F>
+typename F::Options test_options(Index n) {
+  return testing::MethodTestConfig<F>::approx(n, n);
+}
+
+}  // namespace
+
+TEMPLATE_TEST_CASE("MultiHead equals the per-head calls for every method", "[multi_head]", float,
+                   double) {
+  using S = TestType;
+  for_each_method<S>([](auto tag) {
+    using F = typename decltype(tag)::type;
+    constexpr bool exact_tiled = std::is_same_v<F, ExactAttention<S>>;
+    // Ragged lengths (a zero-length sequence too); the approximate methods get shorter ones.
+    const std::vector<Index> lengths =
+        exact_tiled || std::is_same_v<F, ExactAttention<S, policy::Naive>>
+            ? std::vector<Index>{1, 7, 0, 128, 1000}
+            : std::vector<Index>{1, 7, 60, 130};
+    const SeqOffsets cu = offsets_of(lengths);
+    const Index T = cu.back();
+    for (const HeadLayout L : {HeadLayout{2, 0}, HeadLayout{8, 2}, HeadLayout{8, 1}}) {
+      for (const bool causal : {false, true}) {
+        auto opts = test_options<F>(7);
+        if constexpr (functor_traits<F>::supports_causal) {
+          opts.causal = causal;
+        } else if (causal) {
+          continue;
+        }
+        const Index d = 8, dv = 6;
+        const Packed<S> p(T, T, L.heads, L.kv_heads == 0 ? L.heads : L.kv_heads, d, dv,
+                          17u + static_cast<unsigned>(L.heads * 3 + L.kv_heads));
+        const MultiHead<F> mh(opts, L);
+        const auto rr = mh.compute(p.Q, p.K, p.V, cu, cu);  // row-major
+        const Matrix<S> Qc = p.Q, Kc = p.K, Vc = p.V;
+        const auto rc = mh.compute(Qc, Kc, Vc, cu, cu);  // column-major
+        INFO(functor_traits<F>::name << " heads " << L.heads << " kv_heads " << L.kv_heads
+                                     << " causal " << causal);
+        REQUIRE(rr.info == Info::Success);
+        REQUIRE(rc.info == Info::Success);
+        STATIC_REQUIRE(decltype(rr.output)::IsRowMajor);
+        STATIC_REQUIRE(!decltype(rc.output)::IsRowMajor);
+        REQUIRE(rr.output.rows() == T);
+        REQUIRE(rr.output.cols() == L.heads * dv);
+        REQUIRE(rr.head_results.size() == (cu.size() - 1) * static_cast<std::size_t>(L.heads));
+        // For the other methods, storage order changes nothing but the alignment of the per-head
+        // slices (a row-major
+        // slice is copied into an aligned buffer, a column-major one is a view at an arbitrary
+        // offset), which changes how Eigen splits its vectorised reductions: round-off only
+        // (WildCat float measured 2e-7 relative). The exact kernel reads both in place with
+        // the same arithmetic: bit-identical.
+        const double order_err = rel_err<S>(Matrix<S>(rr.output), rc.output);
+        INFO("row- vs column-major relative difference " << order_err);
+        if constexpr (exact_tiled) {
+          // Stacked (decoding) blocks of row-major K and V run the GEMM-free decoding kernel,
+          // column-major ones the GEMM kernel: round-off apart. Prefill blocks: bit-identical.
+          CHECK(order_err < 50 * std::numeric_limits<S>::epsilon());
+          CHECK(Matrix<S>(rr.output.middleRows(cu[3], cu[5] - cu[3])) ==
+                rc.output.middleRows(cu[3], cu[5] - cu[3]));
+        } else
+          CHECK(order_err < 1e3 * std::numeric_limits<S>::epsilon());
+        const Matrix<S> ref = per_head_reference(mh.functor(), L, Qc, Kc, Vc, cu, cu);
+        if constexpr (exact_tiled) {
+          // Stacked GQA heads (the 1- and 7-token sequences) change the GEMM's row count, which
+          // may round differently; every other block is the single-head kernel's.
+          CHECK(rel_err<S>(rc.output, ref) < 50 * std::numeric_limits<S>::epsilon());
+          const Index long0 = cu[3], nlong = cu[5] - cu[3];
+          CHECK(rc.output.middleRows(long0, nlong) == ref.middleRows(long0, nlong));
+          if (L.kv_heads == L.heads || L.kv_heads == 0) CHECK(rc.output == ref);
+        } else {
+          CHECK(rc.output == ref);
+        }
+        // Per-(sequence, head) diagnostics are reachable.
+        for (Index b = 0; b + 1 < static_cast<Index>(cu.size()); ++b)
+          for (Index h = 0; h < L.heads; ++h) {
+            const auto& hr = rc.head(b, h);
+            CHECK(hr.info == Info::Success);
+            CHECK(hr.output.size() == 0);
+            for (const Diagnostic& dg : hr.diagnostics()) CHECK(std::isfinite(dg.value));
+          }
+      }
+    }
+  });
+}
+
+TEMPLATE_TEST_CASE("MultiHead exact: lse per head, GQA 4 and 8, against the double reference",
+                   "[multi_head][exact]", float, double) {
+  using S = TestType;
+  const SeqOffsets cu = offsets_of({1, 7, 128, 1000});
+  const Index T = cu.back(), d = 16;
+  for (const HeadLayout L : {HeadLayout{4, 1}, HeadLayout{8, 2}, HeadLayout{8, 1}}) {
+    const Packed<S> p(T, T, L.heads, L.kv_heads, d, d, 5u);
+    for (const bool causal : {false, true}) {
+      ExactOptions o;
+      o.causal = causal;
+      const auto r = MultiHead<ExactAttention<S>>(o, L).compute(p.Q, p.K, p.V, cu);
+      const auto n = MultiHead<ExactAttention<S, policy::Naive>>(o, L).compute(p.Q, p.K, p.V, cu);
+      const double tol = std::is_same_v<S, float> ? 2e-6 : 1e-13;
+      CHECK(rel_err<S>(Matrix<S>(r.output), Matrix<S>(n.output)) < tol);
+      for (Index b = 0; b < 4; ++b)
+        for (Index h = 0; h < L.heads; ++h)
+          CHECK((r.head(b, h).lse - n.head(b, h).lse).cwiseAbs().maxCoeff() <
+                100 * std::numeric_limits<S>::epsilon() *
+                    (1 + n.head(b, h).lse.cwiseAbs().maxCoeff()));
+    }
+  }
+}
+
+TEMPLATE_TEST_CASE("MultiHead decoding against long caches equals exact attention",
+                   "[multi_head][decode]", float, double) {
+  using S = TestType;
+  // B = 3 sequences with caches of 3000, 517 and 64 tokens; 1, 4 and 16 new queries per
+  // sequence (the last positions: causal, bottom-right aligned); GQA 4 and MQA: the heads of a
+  // group are stacked and the long caches split (split-KV).
+  const SeqOffsets ck = offsets_of({3000, 517, 64});
+  const Index d = 32;
+  for (const Index nq : {1, 4, 16}) {
+    const SeqOffsets cq = offsets_of({nq, nq, nq});
+    for (const HeadLayout L : {HeadLayout{8, 2}, HeadLayout{4, 1}}) {
+      const Packed<S> p(cq.back(), ck.back(), L.heads, L.kv_heads, d, d, 11u);
+      ExactOptions o;
+      o.causal = true;
+      const auto r = MultiHead<ExactAttention<S>>(o, L).compute(p.Q, p.K, p.V, cq, ck);
+      const auto n =
+          MultiHead<ExactAttention<S, policy::Naive>>(o, L).compute(p.Q, p.K, p.V, cq, ck);
+      INFO("queries " << nq << " heads " << L.heads << " kv_heads " << L.kv_heads);
+      REQUIRE(r.info == Info::Success);
+      CHECK(r.head(0, 0).kv_splits > 1);  // the 3000-token cache is split
+      const double tol = std::is_same_v<S, float> ? 2e-6 : 1e-13;
+      CHECK(rel_err<S>(Matrix<S>(r.output), Matrix<S>(n.output)) < tol);
+    }
+  }
+}
+
+TEST_CASE("MultiHead reads strided maps and evaluates expressions", "[multi_head]") {
+  const Index H = 4, G = 2, d = 8, T = 50;
+  const Packed<float> p(T, T, H, G, d, d, 3u);
+  // A row-major buffer with padding between rows (outer stride > width), as a framework's
+  // strided view.
+  RowMat<float> padded = RowMat<float>::Zero(T, H * d + 5);
+  padded.leftCols(H * d) = p.Q;
+  const Eigen::Map<const RowMat<float>, 0, Eigen::OuterStride<>> qmap(
+      padded.data(), T, H * d, Eigen::OuterStride<>(H * d + 5));
+  const MultiHead<ExactAttentionf> mh({}, {H, G});
+  const auto a = mh.compute(p.Q, p.K, p.V);
+  const auto b = mh.compute(qmap, p.K, p.V);
+  CHECK(a.output == b.output);
+  const auto c = mh.compute(p.Q * 1.0f, p.K, p.V);  // an expression: evaluated once
+  CHECK(a.output == c.output);
+}
+
+TEMPLATE_TEST_CASE("MultiHead does not depend on the thread count", "[multi_head][threads]", float,
+                   double) {
+#if EFFATTN_HAS_OPENMP
+  using S = TestType;
+  const SeqOffsets cq = offsets_of({3, 200, 1});
+  const SeqOffsets ck = offsets_of({900, 200, 2000});
+  const Packed<S> p(cq.back(), ck.back(), 8, 2, 16, 16, 9u);
+  ExactOptions eo;
+  eo.causal = true;
+  WildcatOptions wo;
+  wo.rank = 24;
+  wo.bins = 2;
+  auto run = [&](int threads) {
+    omp_set_num_threads(threads);
+    const auto e = MultiHead<ExactAttention<S>>(eo, {8, 2}).compute(p.Q, p.K, p.V, cq, ck);
+    const auto w = MultiHead<WildcatAttention<S>>(wo, {8, 2}).compute(p.Q, p.K, p.V, cq, ck);
+    return std::make_pair(Matrix<S>(e.output), Matrix<S>(w.output));
+  };
+  const int before = omp_get_max_threads();
+  const auto one = run(1);
+  const auto two = run(2);
+  const auto three = run(3);
+  omp_set_num_threads(before);
+  CHECK(one.first == two.first);
+  CHECK(one.first == three.first);
+  CHECK(one.second == two.second);
+  CHECK(one.second == three.second);
+#else
+  SKIP("built without OpenMP: one thread only, nothing to compare");
+#endif
+}
+
+TEST_CASE("MultiHead WildCat: compressed caches per head, append, weighted attention",
+          "[multi_head][wildcat]") {
+  const Index H = 8, G = 2, d = 8;
+  const SeqOffsets ck = offsets_of({300, 120});
+  const Packed<double> p(2, ck.back(), H, G, d, d, 21u);
+  WildcatOptions wo;
+  wo.rank = 32;
+  const MultiHead<WildcatAttention<double>> mh(wo, {H, G});
+  auto cache = mh.compress_kv(p.K, p.V, ck);
+  REQUIRE(cache.caches.size() == 4);
+  const Packed<double> fresh(2, 2, H, G, d, d, 22u);  // one new token per sequence
+  mh.append(cache, fresh.K, fresh.V, offsets_of({1, 1}));
+  CHECK(cache.at(0, 1).tail_size() == 1);
+  const auto r = mh.weighted_attention(p.Q, cache, offsets_of({1, 1}));
+  REQUIRE(r.info == Info::Success);
+  // Per head: the same compression and attention called directly.
+  const WildcatAttention<double> w(wo);
+  for (Index b = 0; b < 2; ++b)
+    for (Index h = 0; h < H; ++h) {
+      const Index g = h / (H / G), k0 = ck[static_cast<std::size_t>(b)],
+                  nk = ck[static_cast<std::size_t>(b) + 1] - k0;
+      Matrix<double> out;
+      detail::run_serial([&] {
+        auto c = w.compress_kv(p.K.block(k0, g * d, nk, d), p.V.block(k0, g * d, nk, d), 0);
+        c.append(fresh.K.block(b, g * d, 1, d), fresh.V.block(b, g * d, 1, d));
+        out = w.weighted_attention(p.Q.block(b, h * d, 1, d), c).output;
+      });
+      CHECK(Matrix<double>(r.output.block(b, h * d, 1, d)) == out);
+    }
+}
+
+TEST_CASE("MultiHead rejects bad input, naming the argument", "[multi_head][errors]") {
+  const Packed<float> p(20, 20, 4, 2, 8, 8, 1u);
+  const MultiHead<ExactAttentionf> mh({}, {4, 2});
+  auto throws_with = [](auto&& call, const std::string& needle) {
+    testing::require_invalid_argument(call, needle);
+  };
+
+  throws_with([&] { (void)MultiHead<ExactAttentionf>({}, {6, 4}); }, "kv_heads");
+  throws_with([&] { (void)MultiHead<ExactAttentionf>({}, {0, 0}); }, "heads");
+  throws_with([&] { (void)MultiHead<ExactAttentionf>({}, {4, -1}); }, "kv_heads");
+  throws_with([&] { (void)mh.compute(p.Q.leftCols(30), p.K, p.V); }, "Q has 30 columns");
+  throws_with([&] { (void)mh.compute(p.Q, p.K.leftCols(15), p.V); }, "K");
+  throws_with([&] { (void)mh.compute(p.Q, p.K, p.V.leftCols(15)); }, "V");
+  throws_with([&] { (void)mh.compute(p.Q, p.K, p.V, {1, 20}); }, "cu_seqlens_q[0]");
+  throws_with([&] { (void)mh.compute(p.Q, p.K, p.V, {0, 12, 8, 20}); }, "non-decreasing");
+  throws_with([&] { (void)mh.compute(p.Q, p.K, p.V, {0, 5, 19}); }, "cu_seqlens_q must end");
+  throws_with([&] { (void)mh.compute(p.Q, p.K, p.V, {0, 10, 20}, {0, 21}); }, "cu_seqlens_k");
+  throws_with([&] { (void)mh.compute(p.Q, p.K, p.V, {0, 10, 20}, {0, 20}); }, "same batch");
+  throws_with([&] { (void)mh.compute(p.Q, p.K, p.V, {0, 10, 20}, {0, 20, 20}); }, "no keys");
+  throws_with([&] { (void)mh.compute(p.Q, p.K, p.V, {0}); }, "B + 1");
+  ExactOptions causal;
+  causal.causal = true;
+  throws_with(
+      [&] {
+        (void)MultiHead<ExactAttentionf>(causal, {4, 2})
+            .compute(p.Q, p.K, p.V, {0, 10, 20}, {0, 15, 20});
+      },
+      "sequence 1");
+  RowMat<float> bad = p.Q;
+  bad(3, 17) = std::numeric_limits<float>::quiet_NaN();
+  throws_with([&] { (void)mh.compute(bad, p.K, p.V); }, "row 3, column 17");
+  // A method's own check, reported with the (sequence, head) it failed in.
+  VccOptions vo;
+  vo.vip = {0, 12};
+  throws_with(
+      [&] {
+        (void)MultiHead<VccAttention<float>>(vo, {4, 2}).compute(p.Q, p.K, p.V, {0, 15, 20});
+      },
+      "sequence 1, head 0");
+  // Self-attention-only methods need as many keys as queries per sequence.
+  throws_with(
+      [&] {
+        (void)MultiHead<ConvBasisAttention<float>>({}, {4, 2})
+            .compute(p.Q, p.K, p.V, {0, 10, 20}, {0, 8, 20});
+      },
+      "sequence 0");
+}
+
+TEMPLATE_TEST_CASE("MultiHead decoding from a preallocated cache (seqused_k)",
+                   "[multi_head][decode]", float, double) {
+  using S = TestType;
+  // Three sequences with cache regions of 600 rows each, filled to 517, 64 and 599 tokens; a
+  // decoding step writes one row per sequence and attends with seqused_k = filled + 1. Equal to
+  // the same keys packed contiguously.
+  const Index H = 8, G = 2, d = 16, cap = 600;
+  const std::vector<Index> used = {518, 65, 600};
+  const Packed<S> p(3, 3 * cap, H, G, d, d, 31u);
+  const SeqOffsets regions = {0, cap, 2 * cap, 3 * cap};
+  RowMat<S> Kp(518 + 65 + 600, G * d), Vp(Kp.rows(), G * d);
+  Index row = 0;
+  for (std::size_t b = 0; b < 3; ++b) {
+    Kp.middleRows(row, used[b]) = p.K.middleRows(regions[b], used[b]);
+    Vp.middleRows(row, used[b]) = p.V.middleRows(regions[b], used[b]);
+    row += used[b];
+  }
+  ExactOptions o;
+  o.causal = true;
+  const MultiHead<ExactAttention<S>> mh(o, {H, G});
+  const auto a = mh.compute(p.Q, p.K, p.V, {0, 1, 2, 3}, regions, used);
+  const auto b = mh.compute(p.Q, Kp, Vp, {0, 1, 2, 3}, offsets_of(used));
+  REQUIRE(a.info == Info::Success);
+  CHECK(a.output == b.output);
+  auto throws = [&](const std::vector<Index>& u) {
+    CHECK_THROWS_AS(mh.compute(p.Q, p.K, p.V, {0, 1, 2, 3}, regions, u), effattn::invalid_argument);
+  };
+  throws({518, 65});       // one value per sequence
+  throws({518, 65, 601});  // beyond the region
+  throws({518, -1, 600});  // negative
+  throws({518, 0, 600});   // a query without keys
+}
