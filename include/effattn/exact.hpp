@@ -102,7 +102,9 @@ struct ExactResult : AttentionResult<Scalar> {
 ///   measured relative Frobenius errors are ~3e-3 on the shared workloads (README, "bf16 on
 ///   the matrix engine"). lse carries the logit error directly (absolute ~u s |q| |k|). The
 ///   three paths multiply the same bf16 values and differ only in fp32 summation order; each
-///   path is bit-identical across thread counts.
+///   path is bit-identical across thread counts. `backward` runs the fp32 Tiled backward from
+///   the bf16 forward's output and lse (gradients carry the forward's bf16 error); `MultiHead`
+///   runs it per (sequence, head).
 ///
 /// With `causal`, query i sees keys j <= i + (m - n) (bottom-right aligned); key tiles beyond
 /// the diagonal are skipped and the diagonal tile is masked.
