@@ -128,9 +128,9 @@ Flags parse(int argc, char** argv) {
       for (const auto& b : split(value())) f.budgets.push_back(parse_int(a, b, 1));
       if (f.budgets.empty()) usage_error("--budgets needs at least one value");
     } else if (a == "--heads") {
-      f.heads = static_cast<Index>(parse_int(a, next(), 1));
+      f.heads = static_cast<Index>(parse_int(a, value(), 1));
     } else if (a == "--kv-heads") {
-      f.kv_heads = static_cast<Index>(parse_int(a, next(), 1));
+      f.kv_heads = static_cast<Index>(parse_int(a, value(), 1));
     } else if (a == "--threads") {
       f.threads = static_cast<int>(parse_int(a, value(), 1));
     } else if (a == "--causal") {
@@ -217,13 +217,22 @@ int run_all(const Flags& f) {
         compare::Output<Scalar> o;
         ExactOptions opts;
         opts.causal = pr.causal;
-        const ExactAttentionBf16 a(opts);
-        ExactAttentionBf16::Result last;
-        o.seconds = compare::median_time(pr.repeat, [&] { last = a.compute(pr.Q, pr.K, pr.V); });
-        o.info = last.info;
-        o.output = last.output;
+        if (pr.layout.heads > 1 || pr.layout.kv_heads > 1) {  // packed heads: MultiHead
+          const MultiHead<ExactAttentionBf16> mh(opts, pr.layout);
+          o.seconds = compare::median_time(pr.repeat, [&] {
+            auto r = mh.compute(pr.Q, pr.K, pr.V);
+            o.info = r.info;
+            o.output = std::move(r.output);
+          });
+        } else {
+          const ExactAttentionBf16 a(opts);
+          ExactAttentionBf16::Result last;
+          o.seconds = compare::median_time(pr.repeat, [&] { last = a.compute(pr.Q, pr.K, pr.V); });
+          o.info = last.info;
+          o.output = last.output;
+          for (const Diagnostic& d : last.diagnostics()) o.diag[d.name] = d.value;
+        }
         o.config = std::string("TiledBf16 (") + active_isa() + ")";
-        for (const Diagnostic& d : last.diagnostics()) o.diag[d.name] = d.value;
         return o;
       };
       all.push_back(std::move(m));

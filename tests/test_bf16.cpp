@@ -25,13 +25,13 @@ namespace {
 using detail::Isa;
 using Bf16Matrix = Matrix<Eigen::bfloat16>;
 
-// Relative Frobenius error bar of the issue (bf16 keeps 8 significand bits); measured 2.5e-3 to
-// 4e-3 on these problems.
+// Relative Frobenius error bar of the issue (bf16 keeps 8 significand bits); measured 1.8e-3 to
+// 4e-3 on these problems (every workload, d, mask and path).
 constexpr double kRelTol = 1e-2;
 // Per-element bound: |O - O_ref| <= kElemTol * max |V|. Each output is a convex combination of
 // value rows whose weights carry a relative error of a few 2^-9 (logits, P and V rounded once
-// each); measured max 6e-3 on these problems.
-constexpr double kElemTol = 3e-2;
+// each); measured max 2.6e-3 (positional, d = 256, causal).
+constexpr double kElemTol = 1e-2;
 
 const std::vector<Isa>& all_isas() {
   static const std::vector<Isa> v = {Isa::Generic, Isa::Avx512Bf16, Isa::Amx};
@@ -86,7 +86,8 @@ void check_against(const Bf16Out& got, const Reference& ref, const Matrix<float>
   INFO("rel Frobenius error " << rel << ", max element error / max|V| " << elem);
   CHECK(rel <= kRelTol);
   CHECK(elem <= kElemTol);
-  // lse carries the logit error directly: |d logit| <~ 2^-8 |s q k|, here |s q k| <~ 10.
+  // lse carries the logit error directly: |d logit| <~ 2^-8 |s q k|, here |s q k| <~ 10;
+  // measured max 3.3e-2.
   CHECK(max_abs_error(got.lse, ref.lse) <= 5e-2);
 }
 
@@ -317,5 +318,25 @@ TEST_CASE("MultiHead<ExactAttentionBf16> equals the per-head bf16 calls (GQA, ra
         CHECK(rel_fro_error(one.output, ref.out) <= kRelTol);
       }
     }
+  }
+}
+
+TEST_CASE("bf16 error on needle rows at small d against a long cache (over the 1e-2 bar)",
+          "[bf16]") {
+  // A needle query is 2 x a key, so at d = 16 its logit against that key is ~8 (up to ~14), and
+  // the bf16 logit error ~2^-8 |s q k| moves the weights by ~1-3%. With 3 or 40 queries of which
+  // the needle rows are a large share, the relative Frobenius error is 1.28e-2 to 1.39e-2
+  // (measured, every path alike): above the issue's 1e-2 bar, documented in the README. It stays
+  // below 2e-2; larger d (smaller s |q| |k| per unit logit) and n = m stay below 4e-3.
+  const auto w = workloads::make<float>(workloads::Kind::Needles,
+                                        workloads::Params::shape(3, 9001, 16, 16, 7));
+  const Reference ref = reference(w.Q, w.K, w.V, nullptr, false);
+  for (const Isa isa : all_isas()) {
+    if (!available_or_warn(isa)) continue;
+    const Bf16Out r = run_path<float>(isa, w.Q, w.K, w.V, nullptr, false);
+    const double rel = rel_fro_error(r.out, ref.out);
+    INFO("path " << detail::isa_name(isa) << ": rel. error " << rel);
+    CHECK(rel <= 2e-2);
+    CHECK(max_abs_error(r.out, ref.out) / w.V.cwiseAbs().maxCoeff() <= kElemTol);
   }
 }

@@ -10,7 +10,8 @@
 /// The ISA-specific functions are compiled with function target attributes, so neither users nor
 /// the CMake package need `-march` flags; they run only after the checks below succeed. The path
 /// is chosen once per process, at the first call of `active_isa()` (or of a bf16 kernel):
-/// 1. CPUID leaf 7: AVX512F (EBX bit 16), AMX-BF16 (EDX bit 22), AMX-TILE (EDX bit 24); leaf 7
+/// 1. CPUID leaf 7: AVX512F, BW, VL (EBX bits 16, 30, 31), AMX-BF16 (EDX bit 22), AMX-TILE
+///    (EDX bit 24); leaf 7
 ///    sub-leaf 1: AVX512-BF16 (EAX bit 5); leaf 1: OSXSAVE (ECX bit 27).
 /// 2. XCR0 (`xgetbv`): the OS saves the AVX-512 state (bits 1, 2, 5, 6, 7).
 /// 3. AMX only: Linux grants the tile-data state on request
@@ -100,7 +101,7 @@ inline Isa detected_isa() noexcept {
     constexpr unsigned long long kAvx512State = (1ULL << 1) | (1ULL << 2) | (0x7ULL << 5);
     if ((xcr0 & kAvx512State) != kAvx512State) return Isa::Generic;
     if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return Isa::Generic;
-    const bool avx512f = (b >> 16) & 1u;
+    const bool avx512f = ((b >> 16) & 1u) && ((b >> 30) & 1u) && ((b >> 31) & 1u);  // F, BW, VL
     const bool amx = ((d >> 22) & 1u) && ((d >> 24) & 1u);  // AMX-BF16, AMX-TILE
     unsigned a1 = 0, b1 = 0, c1 = 0, d1 = 0;
     const bool avx512bf16 = __get_cpuid_count(7, 1, &a1, &b1, &c1, &d1) && ((a1 >> 5) & 1u);

@@ -24,7 +24,14 @@
 #if EFFATTN_BF16_X86
 
 /// Target attribute of the AMX kernels.
-#define EFFATTN_TARGET_AMX __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bf16")))
+#define EFFATTN_TARGET_AMX \
+  __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512bf16")))
+
+/// Compiler memory barrier at the entry of every tile kernel. GCC's `_tile_loadd` is an asm
+/// statement without a memory operand (and `_tile_loadconfig` names only 8 of its 64 bytes), so
+/// the optimiser may sink or drop stores whose only reader is a tile load once the packing code
+/// is inlined next to it; the barrier makes every earlier store happen first. No instruction.
+#define EFFATTN_TILE_MEMORY_BARRIER() asm volatile("" : : : "memory")
 
 namespace effattn {
 namespace detail {
@@ -35,12 +42,16 @@ namespace detail {
 class AmxTileScope {
  public:
   EFFATTN_TARGET_AMX AmxTileScope() noexcept {
-    alignas(64) unsigned char cfg[64] = {};
-    cfg[0] = 1;  // palette 1
-    for (int t = 0; t < 8; ++t) {
-      cfg[16 + 2 * t] = 64;  // colsb[t], low byte (bytes per row)
-      cfg[48 + t] = 16;      // rows[t]
-    }
+    // Palette 1; colsb[t] = 64 bytes (bytes 16 + 2t), rows[t] = 16 (bytes 48 + t) for t < 8.
+    // In static storage and behind a compiler barrier: GCC's `ldtilecfg` builtin does not tell
+    // the optimiser that it reads the 64 bytes, so stores into a local array were dropped as dead
+    // (seen without -march: palette 0 was loaded and the first tile instruction raised SIGILL).
+    alignas(64) static const unsigned char cfg[64] = {
+        1,  0,  0,  0,  0,  0,  0,  0,  0,  0, 0,  0, 0,  0, 0,  0,   // palette, start row
+        64, 0,  64, 0,  64, 0,  64, 0,  64, 0, 64, 0, 64, 0, 64, 0,   // colsb, tiles 0-7
+        0,  0,  0,  0,  0,  0,  0,  0,  0,  0, 0,  0, 0,  0, 0,  0,   // colsb, tiles 8-15
+        16, 16, 16, 16, 16, 16, 16, 16, 0,  0, 0,  0, 0,  0, 0,  0};  // rows
+    EFFATTN_TILE_MEMORY_BARRIER();
     _tile_loadconfig(cfg);
   }
   EFFATTN_TARGET_AMX ~AmxTileScope() { _tile_release(); }
@@ -53,6 +64,7 @@ class AmxTileScope {
 /// j0 .. j0 + cols_pad (rows_pad, cols_pad multiples of 32). fp32 accumulation.
 EFFATTN_TARGET_AMX inline void amx_scores(const Bf16Panels& p, Index g0, Index j0, Index rows_pad,
                                           Index cols_pad, float* s, Index ld) noexcept {
+  EFFATTN_TILE_MEMORY_BARRIER();
   const Index kstride = p.dpad * 2, sstride = ld * 4;
   for (Index kk = 0; kk < cols_pad; kk += 32) {
     const std::uint16_t* k0 = p.k_row(j0 + kk);
@@ -89,6 +101,7 @@ EFFATTN_TARGET_AMX inline void amx_scores(const Bf16Panels& p, Index g0, Index j
 EFFATTN_TARGET_AMX inline void amx_accumulate(const Bf16Panels& p, Index j0, Index rows_pad,
                                               Index cols_pad, const std::uint16_t* pv, float* acc,
                                               Index ld) noexcept {
+  EFFATTN_TILE_MEMORY_BARRIER();
   const Index astride = ld * 4, pstride = ld * 4;
   for (Index cc = 0; cc < p.dvpad; cc += 32) {
     for (Index qq = 0; qq < rows_pad; qq += 32) {
@@ -158,6 +171,7 @@ EFFATTN_TARGET_AMX void pack_key_tile_vnni(const In* K, Index ldk, Index d, Inde
 EFFATTN_TARGET_AMX inline void amx_decode_scores(const std::uint16_t* q, Index dpad,
                                                  const std::uint16_t* kb, Index cols_pad,
                                                  float* s_rm, Index ld) noexcept {
+  EFFATTN_TILE_MEMORY_BARRIER();
   for (Index kk = 0; kk < cols_pad; kk += 32) {
     const std::uint16_t* b0 = kb + (kk / 16) * dpad * 16;
     const std::uint16_t* b1 = b0 + dpad * 16;
@@ -181,6 +195,7 @@ EFFATTN_TARGET_AMX inline void amx_decode_scores(const std::uint16_t* q, Index d
 EFFATTN_TARGET_AMX inline float amx_peak_loop(long iters) noexcept {
   alignas(64) std::uint16_t ones[16 * 32];
   for (auto& x : ones) x = 0x3F80;  // 1.0 in bf16
+  EFFATTN_TILE_MEMORY_BARRIER();    // the tile loads read `ones`
   alignas(64) float out[16 * 16];
   _tile_loadd(4, ones, 64);
   _tile_loadd(5, ones, 64);

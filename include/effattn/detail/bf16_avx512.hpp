@@ -20,7 +20,7 @@
 #if EFFATTN_BF16_X86
 
 /// Target attribute of the AVX512-BF16 kernels.
-#define EFFATTN_TARGET_AVX512BF16 __attribute__((target("avx512f,avx512bf16")))
+#define EFFATTN_TARGET_AVX512BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
 
 namespace effattn {
 namespace detail {

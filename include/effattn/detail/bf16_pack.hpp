@@ -16,6 +16,12 @@
 #include "../core/parallel.hpp"
 #include "../core/types.hpp"
 
+#if EFFATTN_BF16_X86
+/// Target attribute of the AVX-512 helpers (packing, rounding): AVX512F/BW/VL, which every CPU
+/// with AVX512-BF16 has (`detected_isa()` checks them).
+#define EFFATTN_TARGET_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl")))
+#endif
+
 namespace effattn {
 namespace detail {
 
@@ -64,9 +70,8 @@ void convert_bf16(const In* src, Index count, float scale, std::uint16_t* dst) n
 #if EFFATTN_BF16_X86
 /// `convert_bf16` for float with AVX512F, 16 values per step (masked tail). Used only by the x86
 /// kernels' packing, which runs after `detected_isa()` found AVX-512.
-__attribute__((target("avx512f"))) inline void convert_bf16(const float* src, Index count,
-                                                            float scale,
-                                                            std::uint16_t* dst) noexcept {
+EFFATTN_TARGET_AVX512 inline void convert_bf16(const float* src, Index count, float scale,
+                                               std::uint16_t* dst) noexcept {
   const __m512 sc = _mm512_set1_ps(scale);
   const __m512i bias = _mm512_set1_epi32(0x7FFF), one = _mm512_set1_epi32(1);
   for (Index i = 0; i < count; i += 16) {
@@ -141,8 +146,8 @@ void round_floats(const In* src, Index count, float* dst, bool /*simd*/) noexcep
 
 #if EFFATTN_BF16_X86
 /// `round_floats` for float with AVX512F (16 values per step, masked tail).
-__attribute__((target("avx512f"))) inline void round_floats_avx512(const float* src, Index count,
-                                                                   float* dst) noexcept {
+EFFATTN_TARGET_AVX512 inline void round_floats_avx512(const float* src, Index count,
+                                                      float* dst) noexcept {
   const __m512i bias = _mm512_set1_epi32(0x7FFF), one = _mm512_set1_epi32(1);
   const __m512i high = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
   for (Index i = 0; i < count; i += 16) {
@@ -174,7 +179,7 @@ inline void round_tile_to_bf16(float* s, Index ld, Index rows, Index cols) noexc
 #if EFFATTN_BF16_X86
 /// 16 VNNI pairs from two fp32 vectors: pair i = (bf16(a_i), bf16(b_i)) in one 32-bit lane
 /// (a in the low half), both rounded to nearest even. No NaN inputs.
-__attribute__((target("avx512f"))) inline __m512i bf16_vnni_pairs(__m512 a, __m512 b) noexcept {
+EFFATTN_TARGET_AVX512 inline __m512i bf16_vnni_pairs(__m512 a, __m512 b) noexcept {
   const __m512i bias = _mm512_set1_epi32(0x7FFF), one = _mm512_set1_epi32(1);
   const __m512i ua = _mm512_castps_si512(a), ub = _mm512_castps_si512(b);
   const __m512i ra = _mm512_add_epi32(
@@ -190,9 +195,8 @@ __attribute__((target("avx512f"))) inline __m512i bf16_vnni_pairs(__m512 a, __m5
 /// = P(i, 2p + e), with the columns >= `cols` set to 0 (keys outside the tile). This is the B
 /// operand of the P V product of both x86 kernels. O(rows cols_pad); needs AVX512F (and only
 /// runs after `detected_isa()` said so). P holds no NaN.
-__attribute__((target("avx512f"))) inline void pack_p_vnni(const float* s, Index ld, Index rows,
-                                                           Index cols, Index cols_pad,
-                                                           std::uint16_t* pv) noexcept {
+EFFATTN_TARGET_AVX512 inline void pack_p_vnni(const float* s, Index ld, Index rows, Index cols,
+                                              Index cols_pad, std::uint16_t* pv) noexcept {
   for (Index c = 0; c < cols_pad; c += 2) {
     const bool have0 = c < cols, have1 = c + 1 < cols;
     for (Index i = 0; i < rows; i += 16) {
@@ -205,11 +209,10 @@ __attribute__((target("avx512f"))) inline void pack_p_vnni(const float* s, Index
 }
 
 /// 16 values of a column as fp32 (masked: `count` < 16 loads zeros beyond), float or bf16.
-__attribute__((target("avx512f"))) inline __m512 load16_fp32(const float* p, Index count) noexcept {
+EFFATTN_TARGET_AVX512 inline __m512 load16_fp32(const float* p, Index count) noexcept {
   return _mm512_maskz_loadu_ps(count >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << count) - 1u), p);
 }
-__attribute__((target("avx512f,avx512bw"))) inline __m512 load16_fp32(const Eigen::bfloat16* p,
-                                                                      Index count) noexcept {
+EFFATTN_TARGET_AVX512 inline __m512 load16_fp32(const Eigen::bfloat16* p, Index count) noexcept {
   const __m256i h =
       _mm256_maskz_loadu_epi16(count >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << count) - 1u), p);
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
@@ -218,10 +221,8 @@ __attribute__((target("avx512f,avx512bw"))) inline __m512 load16_fp32(const Eige
 /// Query group g (16 rows from `Q`, `count` of them valid, leading dimension `ldq`) of scale Q in
 /// VNNI pairs: dst[p][i][e] = bf16(scale Q(16 g + i, 2 p + e)), zero outside Q.
 template <typename In>
-__attribute__((target("avx512f,avx512bw"))) void pack_query_group(const In* Q, Index ldq,
-                                                                  Index count, Index d, Index dpad,
-                                                                  float scale,
-                                                                  std::uint16_t* dst) noexcept {
+EFFATTN_TARGET_AVX512 void pack_query_group(const In* Q, Index ldq, Index count, Index d,
+                                            Index dpad, float scale, std::uint16_t* dst) noexcept {
   const __m512 sc = _mm512_set1_ps(scale), zero = _mm512_setzero_ps();
   for (Index pr = 0; pr < dpad / 2; ++pr) {
     const Index c = 2 * pr;
@@ -235,9 +236,8 @@ __attribute__((target("avx512f,avx512bw"))) void pack_query_group(const In* Q, I
 /// panel rows `dst` (leading dimension dpad): each VNNI pair of two columns is one 32-bit word of
 /// a key row, written by a scatter.
 template <typename In>
-__attribute__((target("avx512f,avx512bw"))) void pack_key_rows(const In* K, Index ldk, Index count,
-                                                               Index d, Index dpad,
-                                                               std::uint16_t* dst) noexcept {
+EFFATTN_TARGET_AVX512 void pack_key_rows(const In* K, Index ldk, Index count, Index d, Index dpad,
+                                         std::uint16_t* dst) noexcept {
   const __m512 zero = _mm512_setzero_ps();
   const __mmask16 k = count >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << count) - 1u);
   const __m512i rows =
