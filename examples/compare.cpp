@@ -56,6 +56,8 @@ const char* kUsage =
     "  --seed S         workload and method seed (default 42)\n"
     "  --repeat R       timed calls per row, the median is reported (default 3)\n"
     "  --double         double instead of float\n"
+    "  --precision P    fp32 (default) or bf16: bf16 adds the row exact_bf16, ExactAttention\n"
+    "                   with policy::TiledBf16 on the kernel path effattn::active_isa() (float)\n"
     "  --json FILE      also write the table as JSON\n"
     "  --csv FILE       also write the table as CSV\n"
     "  --help           this text\n";
@@ -71,6 +73,7 @@ struct Flags {
   Index heads = 1, kv_heads = 0;
   int repeat = 3;
   bool use_double = false;
+  bool bf16 = false;
   std::string json, csv;
 };
 
@@ -138,6 +141,11 @@ Flags parse(int argc, char** argv) {
       f.repeat = static_cast<int>(parse_int(a, value(), 1));
     } else if (a == "--double") {
       f.use_double = true;
+    } else if (a == "--precision") {
+      const std::string v = value();
+      if (v != "fp32" && v != "bf16")
+        usage_error("--precision expects fp32 or bf16, got '" + v + "'");
+      f.bf16 = v == "bf16";
     } else if (a == "--json") {
       f.json = value();
     } else if (a == "--csv") {
@@ -198,8 +206,42 @@ int run_all(const Flags& f) {
   }
   Problem<Scalar> p{Q, K, V, f.causal, f.seed, f.repeat, HeadLayout{f.heads, f.kv_heads}};
 
-  const auto all = compare::methods<Scalar>();
+  auto all = compare::methods<Scalar>();
+  if constexpr (std::is_same<Scalar, float>::value) {
+    if (f.bf16) {  // --precision bf16: the bf16 exact kernel as one more method
+      Method<Scalar> m;
+      m.name = "exact_bf16";
+      m.default_budgets = [](const Problem<Scalar>&) { return std::vector<Index>{}; };
+      m.applicable = [](const Problem<Scalar>&, std::string&) { return true; };
+      m.run = [](const Problem<Scalar>& pr, Index) {
+        compare::Output<Scalar> o;
+        ExactOptions opts;
+        opts.causal = pr.causal;
+        if (pr.layout.heads > 1 || pr.layout.kv_heads > 1) {  // packed heads: MultiHead
+          const MultiHead<ExactAttentionBf16> mh(opts, pr.layout);
+          o.seconds = compare::median_time(pr.repeat, [&] {
+            auto r = mh.compute(pr.Q, pr.K, pr.V);
+            o.info = r.info;
+            o.output = std::move(r.output);
+          });
+        } else {
+          const ExactAttentionBf16 a(opts);
+          ExactAttentionBf16::Result last;
+          o.seconds = compare::median_time(pr.repeat, [&] { last = a.compute(pr.Q, pr.K, pr.V); });
+          o.info = last.info;
+          o.output = last.output;
+          for (const Diagnostic& d : last.diagnostics()) o.diag[d.name] = d.value;
+        }
+        o.config = std::string("TiledBf16 (") + active_isa() + ")";
+        return o;
+      };
+      all.push_back(std::move(m));
+    }
+  }
   std::vector<std::string> names = f.methods;
+  if (f.bf16 && !names.empty() &&
+      std::find(names.begin(), names.end(), "exact_bf16") == names.end())
+    names.push_back("exact_bf16");
   if (names.empty())
     for (const auto& m : all)
       if (m.name != "naive") names.push_back(m.name);
@@ -391,6 +433,7 @@ int main(int argc, char** argv) {
   if (f.threads > 0) omp_set_num_threads(f.threads);
 #endif
   try {
+    if (f.use_double && f.bf16) usage_error("--precision bf16 needs float inputs (drop --double)");
     return f.use_double ? run_all<double>(f) : run_all<float>(f);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "effattn-compare: %s\n", e.what());

@@ -8,4 +8,5 @@ template class ExactAttention<float, policy::Tiled>;
 template class ExactAttention<double, policy::Tiled>;
 template class ExactAttention<float, policy::Naive>;
 template class ExactAttention<double, policy::Naive>;
+template class ExactAttention<float, policy::TiledBf16>;
 }  // namespace effattn

@@ -26,6 +26,11 @@ struct Naive {};
 /// Streaming online softmax over key blocks for each query block (flash-attention style).
 /// O((n + m) d) memory; both products are GEMMs on cache-sized tiles.
 struct Tiled {};
+/// \ingroup Policies
+/// The Tiled kernel with bf16 products and fp32 accumulation on the matrix engine (AMX), with
+/// AVX512-BF16 and portable fallbacks chosen at run time (`effattn::active_isa()`). Float only:
+/// `ExactAttention<float, policy::TiledBf16>`. See `ExactAttention` for the error model.
+struct TiledBf16 {};
 }  // namespace policy
 
 /// Options of `ExactAttention`.
@@ -81,6 +86,26 @@ struct ExactResult : AttentionResult<Scalar> {
 ///   dv) flops in double and O(n m) memory; the reference. Computed in double even for float
 ///   inputs.
 ///
+/// - **TiledBf16** (float only): the Tiled algorithm with both products in bf16 and fp32
+///   accumulation, on Intel AMX (`tdpbf16ps`), AVX512-BF16 (`vdpbf16ps`) or a portable path
+///   (bf16 values widened to float, Eigen GEMM), chosen once per process at run time
+///   (`effattn::active_isa()`, `EFFATTN_ISA`; see core/isa.hpp). Q (times the scale), K and V are
+///   rounded to bf16 once per call into packed panels; the online softmax (max, exp, row sums in
+///   double) stays fp32; P = exp(S - m) is rounded to bf16 for the P V product, as
+///   FlashAttention does. Block sizes are multiples of 32 (`block_q` / `block_k` rounded up;
+///   default 256 x 256). Native bf16 inputs: the `compute(Bf16Ref, ...)` overloads.
+///   **Error model**: bf16 keeps 8 significand bits, so each rounding is a relative error
+///   <= u = 2^-9. A logit moves by at most about 2u s |q_i| |k_j| (plus fp32 summation error),
+///   which changes the weights by a relative e^{2u s |q_i| |k_j|} - 1; rounding P and V adds
+///   about 2u relative per term. Outputs are therefore within a few times 2^-9 of exact in
+///   relative terms unless the logits are large (|s q_i k_j| >> 1 amplifies the logit error):
+///   measured relative Frobenius errors are ~3e-3 on the shared workloads (README, "bf16 on
+///   the matrix engine"). lse carries the logit error directly (absolute ~u s |q| |k|). The
+///   three paths multiply the same bf16 values and differ only in fp32 summation order; each
+///   path is bit-identical across thread counts. `backward` runs the fp32 Tiled backward from
+///   the bf16 forward's output and lse (gradients carry the forward's bf16 error); `MultiHead`
+///   runs it per (sequence, head).
+///
 /// With `causal`, query i sees keys j <= i + (m - n) (bottom-right aligned); key tiles beyond
 /// the diagonal are skipped and the diagonal tile is masked.
 ///
@@ -100,14 +125,20 @@ struct ExactResult : AttentionResult<Scalar> {
 template <typename Scalar_, typename Policy = policy::Tiled>
 class ExactAttention {
   static_assert(detail::is_supported_scalar_v<Scalar_>, "effattn: Scalar must be float or double");
-  static_assert(std::is_same_v<Policy, policy::Tiled> || std::is_same_v<Policy, policy::Naive>,
-                "effattn: ExactAttention policy must be policy::Tiled or policy::Naive");
+  static_assert(std::is_same_v<Policy, policy::Tiled> || std::is_same_v<Policy, policy::Naive> ||
+                    std::is_same_v<Policy, policy::TiledBf16>,
+                "effattn: ExactAttention policy must be policy::Tiled, policy::Naive or "
+                "policy::TiledBf16");
+  static_assert(!std::is_same_v<Policy, policy::TiledBf16> || std::is_same_v<Scalar_, float>,
+                "effattn: policy::TiledBf16 needs Scalar = float (float in, float out)");
 
  public:
   using Scalar = Scalar_;             ///< the scalar type (float or double)
   using Options = ExactOptions;       ///< the options struct
   using MatrixType = Matrix<Scalar>;  ///< `Matrix<Scalar>`
   using Ref = ConstRef<Scalar>;       ///< the input type, `ConstRef<Scalar>`
+  /// bf16 input type (activations stored in bf16), `Eigen::Ref<const Matrix<Eigen::bfloat16>>`.
+  using Bf16Ref = Eigen::Ref<const Matrix<Eigen::bfloat16>>;
 
   /// Result of `compute` (the same type for both policies).
   using Result = ExactResult<Scalar>;  ///< the result of `compute`
@@ -152,6 +183,20 @@ class ExactAttention {
   /// \throws effattn::invalid_argument as `compute(Q, K, V)`, and if `key_bias` has the wrong
   ///         length, contains NaN or +inf, or masks every key of some query.
   [[nodiscard]] Result compute(const Ref& Q, const Ref& K, const Ref& V,
+                               const ConstVectorRef<Scalar>& key_bias) const;
+
+  /// Attention of bf16 inputs (as a model stores activations); output and `lse` are Scalar.
+  /// `TiledBf16` multiplies the stored bf16 values directly (no conversion; with a logit scale
+  /// that is not a power of two the scaled queries are rounded to bf16 once more); the other
+  /// policies widen the inputs to Scalar once and run as `compute(Q, K, V)`.
+  /// \throws effattn::invalid_argument as `compute(Q, K, V)`.
+  [[nodiscard]] Result compute(const Bf16Ref& Q, const Bf16Ref& K, const Bf16Ref& V) const {
+    return run_bf16(Q, K, V, nullptr);
+  }
+
+  /// bf16 inputs with a per-key logit bias (see the float overload).
+  /// \throws effattn::invalid_argument as `compute(Q, K, V, key_bias)`.
+  [[nodiscard]] Result compute(const Bf16Ref& Q, const Bf16Ref& K, const Bf16Ref& V,
                                const ConstVectorRef<Scalar>& key_bias) const;
 
   /// Convenience: `compute(Q, K, V).output`.
@@ -207,6 +252,8 @@ class ExactAttention {
  private:
   /// Validates the inputs and runs the policy's kernel; `bias` is null or points to m values.
   Result run(const Ref& Q, const Ref& K, const Ref& V, const Scalar* bias) const;
+  /// `run` for bf16 inputs.
+  Result run_bf16(const Bf16Ref& Q, const Bf16Ref& K, const Bf16Ref& V, const Scalar* bias) const;
   /// Validates Q, K, V and the causal shape condition; returns the effective scale.
   double check_inputs(const Ref& Q, const Ref& K, const Ref& V) const;
   /// Validates a key bias for Q (n rows) and K (m rows); see `compute(Q, K, V, key_bias)`.
@@ -222,6 +269,8 @@ class ExactAttention {
 using ExactAttentionf = ExactAttention<float>;
 /// Exact attention with the Tiled kernel, double.
 using ExactAttentiond = ExactAttention<double>;
+/// Exact attention with bf16 products (AMX / AVX512-BF16 / generic), float in and out.
+using ExactAttentionBf16 = ExactAttention<float, policy::TiledBf16>;
 /// Materialised reference, float inputs (computed in double).
 using NaiveAttentionf = ExactAttention<float, policy::Naive>;
 /// Materialised reference, double.
@@ -240,5 +289,6 @@ extern template class ExactAttention<float, policy::Tiled>;
 extern template class ExactAttention<double, policy::Tiled>;
 extern template class ExactAttention<float, policy::Naive>;
 extern template class ExactAttention<double, policy::Naive>;
+extern template class ExactAttention<float, policy::TiledBf16>;
 }  // namespace effattn
 #endif

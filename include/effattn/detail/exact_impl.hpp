@@ -10,10 +10,12 @@
 #include <type_traits>
 
 #include "../core/checks.hpp"
+#include "../core/isa.hpp"
 #include "../core/online_softmax.hpp"
 #include "../core/softmax.hpp"
 #include "../core/types.hpp"
 #include "../exact.hpp"
+#include "bf16_attention.hpp"
 
 namespace effattn {
 namespace detail {
@@ -52,6 +54,34 @@ void exact_naive(const ConstRef<Scalar>& Q, const ConstRef<Scalar>& K, const Con
   lse = lse_d.template cast<Scalar>();
 }
 
+/// Validates Q, K, V for `method` (shapes, finiteness, causal needs m >= n). Any scalar type
+/// (bf16 inputs are checked through a cast to float).
+template <typename DQ, typename DK, typename DV>
+void check_exact_inputs(const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
+                        const Eigen::MatrixBase<DV>& V, bool causal, const char* method) {
+  check_attention_inputs(Q, K, V, method);
+  EFFATTN_CHECK(!causal || K.rows() >= Q.rows(),
+                cat(method,
+                    ": causal attention needs m >= n (query i sees keys j <= i + m - n, "
+                    "so the first n - m queries would see none); got n = ",
+                    Q.rows(), ", m = ", K.rows()));
+}
+
+/// The TiledBf16 kernel on the path `selected_isa()` for inputs of scalar In (float or
+/// Eigen::bfloat16, already validated): fills r's output, lse and block sizes.
+template <typename In>
+void exact_bf16(const Eigen::Ref<const Matrix<In>>& Q, const Eigen::Ref<const Matrix<In>>& K,
+                const Eigen::Ref<const Matrix<In>>& V, const float* bias, double scale,
+                const ExactOptions& opts, ExactResult<float>& r) {
+  const TilePlan plan =
+      plan_bf16_tiles(Q.rows(), K.rows(), Q.cols(), V.cols(), opts.block_q, opts.block_k);
+  tiled_attention_bf16<In>(Q, K, V, bias, static_cast<float>(scale), opts.causal, plan,
+                           selected_isa(), r.output, r.lse);
+  r.block_q = plan.bq;
+  r.block_k = plan.bk;
+  r.kv_splits = plan.kv_splits;
+}
+
 }  // namespace detail
 
 template <typename Scalar_, typename Policy>
@@ -59,6 +89,14 @@ typename ExactAttention<Scalar_, Policy>::Result ExactAttention<Scalar_, Policy>
     const Ref& Q, const Ref& K, const Ref& V, const ConstVectorRef<Scalar>& key_bias) const {
   check_key_bias(key_bias, Q.rows(), K.rows());
   return run(Q, K, V, key_bias.data());
+}
+
+template <typename Scalar_, typename Policy>
+typename ExactAttention<Scalar_, Policy>::Result ExactAttention<Scalar_, Policy>::compute(
+    const Bf16Ref& Q, const Bf16Ref& K, const Bf16Ref& V,
+    const ConstVectorRef<Scalar>& key_bias) const {
+  check_key_bias(key_bias, Q.rows(), K.rows());
+  return run_bf16(Q, K, V, key_bias.data());
 }
 
 template <typename Scalar_, typename Policy>
@@ -85,12 +123,7 @@ void ExactAttention<Scalar_, Policy>::check_key_bias(const ConstVectorRef<Scalar
 template <typename Scalar_, typename Policy>
 double ExactAttention<Scalar_, Policy>::check_inputs(const Ref& Q, const Ref& K,
                                                      const Ref& V) const {
-  detail::check_attention_inputs(Q, K, V, name);
-  EFFATTN_CHECK(!m_opts.causal || K.rows() >= Q.rows(),
-                detail::cat(name,
-                            ": causal attention needs m >= n (query i sees keys j <= i + m - n, "
-                            "so the first n - m queries would see none); got n = ",
-                            Q.rows(), ", m = ", K.rows()));
+  detail::check_exact_inputs(Q, K, V, m_opts.causal, name);
   return detail::resolve_scale(m_opts.scale, Q.cols());
 }
 
@@ -101,6 +134,8 @@ typename ExactAttention<Scalar_, Policy>::Result ExactAttention<Scalar_, Policy>
   Result r;
   if constexpr (std::is_same_v<Policy, policy::Naive>) {
     detail::exact_naive<Scalar>(Q, K, V, bias, scale, m_opts.causal, r.output, r.lse);
+  } else if constexpr (std::is_same_v<Policy, policy::TiledBf16>) {
+    detail::exact_bf16<Scalar>(Q, K, V, bias, scale, m_opts, r);
   } else {
     const detail::TilePlan plan =
         detail::plan_tiles(Q.rows(), K.rows(), Q.cols(), V.cols(),
@@ -114,6 +149,26 @@ typename ExactAttention<Scalar_, Policy>::Result ExactAttention<Scalar_, Policy>
   r.info = detail::all_finite(r.output) && detail::all_finite(r.lse) ? Info::Success
                                                                      : Info::NumericalIssue;
   return r;
+}
+
+template <typename Scalar_, typename Policy>
+typename ExactAttention<Scalar_, Policy>::Result ExactAttention<Scalar_, Policy>::run_bf16(
+    const Bf16Ref& Q, const Bf16Ref& K, const Bf16Ref& V, const Scalar* bias) const {
+  if constexpr (std::is_same_v<Policy, policy::TiledBf16>) {
+    detail::check_exact_inputs(Q.template cast<float>(), K.template cast<float>(),
+                               V.template cast<float>(), m_opts.causal, name);
+    Result r;
+    detail::exact_bf16<Eigen::bfloat16>(Q, K, V, bias,
+                                        detail::resolve_scale(m_opts.scale, Q.cols()), m_opts, r);
+    r.info = detail::all_finite(r.output) && detail::all_finite(r.lse) ? Info::Success
+                                                                       : Info::NumericalIssue;
+    return r;
+  } else {
+    // Other policies: widen once and run as for Scalar inputs.
+    const MatrixType Qs = Q.template cast<Scalar>(), Ks = K.template cast<Scalar>(),
+                     Vs = V.template cast<Scalar>();
+    return run(Qs, Ks, Vs, bias);
+  }
 }
 
 }  // namespace effattn

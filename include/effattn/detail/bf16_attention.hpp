@@ -1,0 +1,349 @@
+/// \file bf16_attention.hpp
+/// \brief The `policy::TiledBf16` driver: bf16 products with fp32 accumulation around the shared
+/// fp32 online softmax (`online_softmax_update`), on the kernel path of `core/isa.hpp`.
+///
+/// Per query block and key tile: S = bf16(s Q_b) bf16(K_t)^T accumulated in fp32 (AMX tiles,
+/// `vdpbf16ps`, or Eigen's float GEMM on the bf16 values), plus the key bias; then the fp32
+/// online-softmax update (running max, row sums in double, rescaled accumulator, P = exp(S - m));
+/// then P is rounded to bf16 and acc += bf16(P) bf16(V_t), accumulated in fp32. At the end
+/// O = acc / l and lse = m + log l. The three paths multiply the same bf16 values and differ
+/// only in the fp32 summation order of the products.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "../core/errors.hpp"
+#include "../core/isa.hpp"
+#include "../core/online_softmax.hpp"
+#include "../core/parallel.hpp"
+#include "../core/types.hpp"
+#include "bf16_amx.hpp"
+#include "bf16_avx512.hpp"
+#include "bf16_pack.hpp"
+
+namespace effattn {
+namespace detail {
+
+/// The most queries for which `StreamingBf16Kernel` is used (decoding).
+constexpr Index kBf16StreamingMaxQueries = 16;
+
+/// The tile plan of the bf16 kernels: as `plan_tiles`, with block sizes that are multiples of 32
+/// (a user's `block_q` / `block_k` is rounded up; a block covering all rows or keys may be
+/// shorter). Automatic: 256 query rows x 256 keys (1024 keys when decoding). Measured at
+/// n = m = 4096, 1 thread, AMX: 256 x 256 took 13.5 / 19.5 ms (d = 64 / 128), 128 x 512 13.5 /
+/// 20.2, 128 x 256 14.7 / 22.3, 64 x 256 16.2 / 24.3: the shared online-softmax update works
+/// column by column, so taller tiles amortise its per-column cost; the 256 KiB score tile stays
+/// in the 2 MiB L2. O(1).
+inline TilePlan plan_bf16_tiles(Index n, Index m, Index d, Index dv, Index block_q, Index block_k) {
+  const Index bq = block_q > 0 ? round_up(block_q, 32) : 256;
+  // Decoding streams K and V column by column: 1024-key tiles read 4 KiB (a page) per column
+  // and key tile, which the prefetchers follow (256-key tiles reached 20% of the bandwidth).
+  const Index bk = block_k > 0 ? round_up(block_k, 32) : n <= kBf16StreamingMaxQueries ? 1024 : 256;
+  return plan_tiles(n, m, d, dv, 2, bq, bk);
+}
+
+/// Per-thread buffers of the bf16 driver: the fp32 tile workspace (score tile padded to
+/// multiples of 32 rows and columns), the fp32 accumulator (bq_pad x acc_cols) and the bf16 VNNI
+/// copy of P. The accumulator is kept out of `t` (which gets zero accumulator columns) and
+/// rescaled by `rescale_accumulator`: the rescale inside `online_softmax_update`
+/// (`acc.topRows(bq).array().colwise() *= alpha`) compiles to scalar code, ~10% of the bf16 run
+/// time at d = 128; a column-by-column product is vectorised and rounds identically.
+struct Bf16Workspace {
+  TileWorkspace<float> t;
+  Matrix<float> acc;
+  Bf16Buffer pv;
+  Matrix<float> k_tile, v_tile;  ///< streaming kernel only: the rounded K and V tiles
+  Bf16Buffer k_vnni;             ///< AMX decoding only: the key tile in VNNI pairs
+  Matrix<float> s_rm;            ///< AMX decoding only: the row-major score tile (16 x bk_pad)
+  Bf16Panels v_panel;            ///< AMX decoding only: the value tile in 32-key chunks
+  Bf16Workspace(Index bq_pad, Index bk_pad, Index acc_cols, Index k_tile_cols = 0,
+                Index v_tile_cols = 0)
+      : t(bq_pad, bk_pad, 1, 0),
+        acc(bq_pad, acc_cols),
+        pv(bk_pad * bq_pad),
+        k_tile(bk_pad, k_tile_cols),
+        v_tile(bk_pad, v_tile_cols) {}
+};
+
+/// acc rows [0, rows) *= alpha, the rescale factors exp(m_old - m_new) that
+/// `online_softmax_update` leaves in ws.t.alpha; skipped when every factor is 1. O(rows dv).
+inline void rescale_accumulator(Index rows, Bf16Workspace& ws) {
+  const auto alpha = ws.t.alpha.head(rows);
+  if ((alpha == 1.0f).all()) return;
+  for (Index c = 0; c < ws.acc.cols(); ++c) ws.acc.col(c).head(rows).array() *= alpha;
+}
+
+/// The generic path: Eigen float GEMMs on the bf16-rounded operands, P rounded to bf16.
+struct GenericBf16Kernel {
+  const Bf16RoundedFloats& r;
+  Index acc_cols() const { return r.v.cols(); }
+  Bf16Workspace workspace(Index bq_pad, Index bk_pad) const {
+    return Bf16Workspace(bq_pad, bk_pad, acc_cols());
+  }
+  template <typename F>
+  void task(F&& f) const {
+    f();
+  }
+  void scores(Index i0, Index rows, Index j0, Index cols, Bf16Workspace& ws) const {
+    ws.t.s.topLeftCorner(rows, cols).noalias() =
+        r.q.middleRows(i0, rows) * r.kt.block(0, j0, r.kt.rows(), cols);
+  }
+  void accumulate(Index rows, Index j0, Index cols, Bf16Workspace& ws) const {
+    round_tile_to_bf16(ws.t.s.data(), ws.t.s.rows(), rows, cols);
+    ws.acc.topRows(rows).noalias() += ws.t.s.topLeftCorner(rows, cols) * r.v.middleRows(j0, cols);
+  }
+};
+
+#if EFFATTN_BF16_X86
+/// The x86 paths on `Bf16Panels`: `Amx` true for the tile kernels, false for `vdpbf16ps`.
+template <bool Amx>
+struct X86Bf16Kernel {
+  const Bf16Panels& p;
+  Index acc_cols() const { return p.dvpad; }
+  Bf16Workspace workspace(Index bq_pad, Index bk_pad) const {
+    return Bf16Workspace(bq_pad, bk_pad, acc_cols());
+  }
+  template <typename F>
+  void task(F&& f) const {
+    if constexpr (Amx) {
+      AmxTileScope tiles;  // configure the tiles for this task, release them at its end
+      f();
+    } else {
+      f();
+    }
+  }
+  void scores(Index i0, Index rows, Index j0, Index cols, Bf16Workspace& ws) const {
+    const Index ld = ws.t.s.rows();
+    if constexpr (Amx)
+      amx_scores(p, i0 / 16, j0, round_up(rows, 32), round_up(cols, 32), ws.t.s.data(), ld);
+    else
+      avx512_scores(p, i0 / 16, j0, round_up(rows, 32), round_up(cols, 32), ws.t.s.data(), ld);
+  }
+  void accumulate(Index rows, Index j0, Index cols, Bf16Workspace& ws) const {
+    const Index ld = ws.t.s.rows(), rows_pad = round_up(rows, 32), cols_pad = round_up(cols, 32);
+    pack_p_vnni(ws.t.s.data(), ld, rows_pad, cols, cols_pad, ws.pv.data());
+    if constexpr (Amx)
+      amx_accumulate(p, j0, rows_pad, cols_pad, ws.pv.data(), ws.acc.data(), ld);
+    else
+      avx512_accumulate(p, j0, rows_pad, cols_pad, ws.pv.data(), ws.acc.data(), ld);
+  }
+};
+#endif
+
+#if EFFATTN_BF16_X86
+/// AMX decoding (at most 16 queries, one block, each key tile visited once): every K and V tile
+/// is read once from the inputs and rounded into cache-resident AMX operands with vector code
+/// (K^T as VNNI pairs of two contiguous column pieces, V in 32-key chunks); S = q K_t^T comes out
+/// row-major and is transposed into the column-major tile (n <= 16 rows, cheap); the P V product
+/// is the panel kernel's `amx_accumulate` on the value tile.
+template <typename In>
+struct AmxDecodeKernel {
+  const Eigen::Ref<const Matrix<In>>& K;
+  const Eigen::Ref<const Matrix<In>>& V;
+  const Bf16Buffer& q;  ///< scale Q in bf16, row-major 16 x dpad, zero-padded
+  Index dpad, dvpad;
+  Index acc_cols() const { return dvpad; }
+  Bf16Workspace workspace(Index bq_pad, Index bk_pad) const {
+    Bf16Workspace ws(bq_pad, bk_pad, acc_cols());
+    ws.k_vnni.setZero(bk_pad * dpad);
+    ws.s_rm.setZero(16, bk_pad);  // row-major use of a 16 x bk_pad buffer: s_rm(0..) rows
+    ws.v_panel.dvpad = dvpad;
+    ws.v_panel.v.setZero(bk_pad * dvpad);
+    return ws;
+  }
+  template <typename F>
+  void task(F&& f) const {
+    AmxTileScope tiles;
+    f();
+  }
+  void scores(Index /*i0*/, Index rows, Index j0, Index cols, Bf16Workspace& ws) const {
+    const Index cols_pad = round_up(cols, 32), ld = cols_pad;
+    pack_key_tile_vnni<In>(K.data(), K.outerStride(), K.cols(), dpad, j0, cols_pad, K.rows() - j0,
+                           ws.k_vnni.data());
+    float* s_rm = ws.s_rm.data();
+    amx_decode_scores(q.data(), dpad, ws.k_vnni.data(), cols_pad, s_rm, ld);
+    const Index lds = ws.t.s.rows();
+    float* s = ws.t.s.data();
+    for (Index j = 0; j < cols_pad; ++j)
+      for (Index i = 0; i < rows; ++i) s[j * lds + i] = s_rm[i * ld + j];
+  }
+  void accumulate(Index rows, Index j0, Index cols, Bf16Workspace& ws) const {
+    const Index ld = ws.t.s.rows(), rows_pad = round_up(rows, 32), cols_pad = round_up(cols, 32);
+    const Index valid = std::min(cols_pad, V.rows() - j0);
+    // Column by column, so each column's run of keys is read contiguously (4 KiB per column
+    // and 1024-key tile; chunk by chunk it was 128 streams of 128 bytes, 3x slower).
+    for (Index c = 0; c < V.cols(); ++c) {
+      if (c + 1 < V.cols())
+        prefetch_run(V.data() + (c + 1) * V.outerStride() + j0, valid * Index(sizeof(In)));
+      for (Index k = 0; k < valid; k += 32)
+        convert_bf16(V.data() + c * V.outerStride() + j0 + k, std::min<Index>(32, valid - k), 1.0f,
+                     ws.v_panel.v.data() + (k / 32) * dvpad * 32 + c * 32);
+    }
+    pack_p_vnni(ws.t.s.data(), ld, rows_pad, cols, cols_pad, ws.pv.data());
+    amx_accumulate(ws.v_panel, 0, rows_pad, cols_pad, ws.pv.data(), ws.acc.data(), ld);
+  }
+};
+#endif
+
+/// Decoding (`streams_kv`: a single block of few queries, so every key tile is visited once):
+/// K and V are read once, straight from the inputs, each tile rounded to bf16 into a cache-
+/// resident buffer as it streams by, and multiplied by Eigen's float GEMM. A product of two bf16
+/// values is exact in fp32, so this is the same arithmetic as the matrix-engine paths (bf16
+/// operands, fp32 sums), at the memory bandwidth: the panels would read K and V twice.
+template <typename In>
+struct StreamingBf16Kernel {
+  const Eigen::Ref<const Matrix<In>>& K;
+  const Eigen::Ref<const Matrix<In>>& V;
+  const Matrix<float>& q;  ///< bf16-rounded scale Q
+  bool simd;               ///< round with AVX512F (a path above generic was selected)
+  Index acc_cols() const { return V.cols(); }
+  Bf16Workspace workspace(Index bq_pad, Index bk_pad) const {
+    return Bf16Workspace(bq_pad, bk_pad, acc_cols(), K.cols(), V.cols());
+  }
+  template <typename F>
+  void task(F&& f) const {
+    f();
+  }
+  void scores(Index i0, Index rows, Index j0, Index cols, Bf16Workspace& ws) const {
+    for (Index c = 0; c < K.cols(); ++c)
+      round_floats(K.data() + c * K.outerStride() + j0, cols, ws.k_tile.col(c).data(), simd);
+    ws.t.s.topLeftCorner(rows, cols).noalias() =
+        q.middleRows(i0, rows) * ws.k_tile.topRows(cols).transpose();
+  }
+  void accumulate(Index rows, Index j0, Index cols, Bf16Workspace& ws) const {
+    for (Index c = 0; c < V.cols(); ++c)
+      round_floats(V.data() + c * V.outerStride() + j0, cols, ws.v_tile.col(c).data(), simd);
+    round_tile_to_bf16(ws.t.s.data(), ws.t.s.rows(), rows, cols);
+    ws.acc.topRows(rows).noalias() += ws.t.s.topLeftCorner(rows, cols) * ws.v_tile.topRows(cols);
+  }
+};
+
+/// Online-softmax pass of query rows [i0, i0 + rows) over keys [k_begin, k_end) with `kern`'s
+/// products (k_begin a multiple of 32, or 0). Same contract as `online_softmax_block`: leaves
+/// ws.t.m, ws.t.l and the unnormalised accumulator. 2 rows (k_end - k_begin) (d + dv) flops in
+/// bf16 (tiles past the causal diagonal skipped), no allocation.
+template <typename Kernel>
+void bf16_block(const Kernel& kern, const float* bias, bool causal, Index n, Index m, Index i0,
+                Index rows, Index k_begin, Index k_end, Index bk, Bf16Workspace& ws) {
+  constexpr float ninf = -std::numeric_limits<float>::infinity();
+  const Index off = m - n;  // causal: row i sees keys j <= i + off
+  if (causal) k_end = std::min(k_end, i0 + rows + off);
+  ws.t.m.head(rows).setConstant(ninf);
+  ws.t.l.head(rows).setZero();
+  ws.acc.setZero();
+  for (Index j0 = k_begin; j0 < k_end; j0 += bk) {
+    const Index cols = std::min(bk, k_end - j0);
+    kern.scores(i0, rows, j0, cols, ws);
+    auto S = ws.t.s.topLeftCorner(rows, cols);
+    if (bias != nullptr)
+      for (Index c = 0; c < cols; ++c) S.col(c).array() += bias[j0 + c];
+    // Diagonal tile: key j is hidden from local rows r < j - off - i0 (a prefix of the column).
+    const bool diagonal = causal && j0 + cols - 1 > i0 + off;
+    auto hide = [&](Index c, auto column, float value) {
+      if (diagonal)
+        column.head(std::max<Index>(0, std::min(rows, j0 + c - off - i0))).setConstant(value);
+      if (bias != nullptr && bias[j0 + c] == ninf) column.setConstant(value);
+    };
+    online_softmax_update<float>(rows, cols, diagonal || bias != nullptr, hide, ws.t);
+    rescale_accumulator(rows, ws);
+    kern.accumulate(rows, j0, cols, ws);
+  }
+}
+
+/// Runs the whole problem with `kern`, split as `plan` says (query blocks, times 32-aligned key
+/// splits merged by `merge_split_states`). Thread-count independent.
+template <typename Kernel>
+void bf16_attention_run(const Kernel& kern, Index n, Index m, Index dv, const float* bias,
+                        bool causal, const TilePlan& plan, Matrix<float>& out, Vector<float>& lse) {
+  const Index off = m - n;
+  out.resize(n, dv);
+  lse.resize(n);
+  const Index bq = plan.bq, bk = plan.bk, splits = plan.kv_splits;
+  const Index bq_pad = round_up(bq, 32), bk_pad = round_up(bk, 32);
+  auto make_ws = [&] { return kern.workspace(bq_pad, bk_pad); };
+  if (splits == 1) {
+    parallel_for(plan.q_blocks, make_ws, [&](Index b, Bf16Workspace& ws) {
+      const Index i0 = b * bq, rows = std::min(bq, n - i0);
+      kern.task([&] { bf16_block(kern, bias, causal, n, m, i0, rows, 0, m, bk, ws); });
+      ws.t.alpha.head(rows) = ws.t.l.head(rows).inverse().template cast<float>();
+      out.middleRows(i0, rows).array() =
+          ws.acc.topLeftCorner(rows, dv).array().colwise() * ws.t.alpha.head(rows);
+      lse.segment(i0, rows).array() =
+          ws.t.m.head(rows) + ws.t.l.head(rows).log().template cast<float>();
+    });
+    return;
+  }
+  Matrix<float> part_m(n, splits);
+  Eigen::Matrix<double, Eigen::Dynamic, Eigen::Dynamic> part_l(n, splits);
+  std::vector<Matrix<float>> part_acc(static_cast<std::size_t>(splits), Matrix<float>(n, dv));
+  parallel_for(plan.q_blocks * splits, make_ws, [&](Index t, Bf16Workspace& ws) {
+    const Index b = t / splits, s = t % splits;
+    const Index i0 = b * bq, rows = std::min(bq, n - i0);
+    const Index visible = causal ? std::min(m, i0 + rows + off) : m;
+    // Split starts on 32-key boundaries (the kernels' key chunks); the last split ends at m.
+    const Index k0 = visible * s / splits / 32 * 32;
+    const Index k1 = s + 1 == splits ? visible : visible * (s + 1) / splits / 32 * 32;
+    kern.task([&] { bf16_block(kern, bias, causal, n, m, i0, rows, k0, k1, bk, ws); });
+    part_m.col(s).segment(i0, rows) = ws.t.m.head(rows).matrix();
+    part_l.col(s).segment(i0, rows) = ws.t.l.head(rows).matrix();
+    part_acc[static_cast<std::size_t>(s)].middleRows(i0, rows) = ws.acc.topLeftCorner(rows, dv);
+  });
+  merge_split_states(part_m, part_l, part_acc, out, lse);
+}
+
+/// bf16 exact attention: out (n x dv) and lse (n) for Q, K, V of scalar In (float or
+/// Eigen::bfloat16), converted to bf16 once (scale folded into Q) and multiplied on path `isa`
+/// (which must be available: `isa_available(isa)`). Inputs are validated by the caller.
+/// O((n + m) d) packed panels plus the workspaces of `bf16_attention_run`.
+template <typename In>
+void tiled_attention_bf16(const Eigen::Ref<const Matrix<In>>& Q,
+                          const Eigen::Ref<const Matrix<In>>& K,
+                          const Eigen::Ref<const Matrix<In>>& V, const float* bias, float scale,
+                          bool causal, const TilePlan& plan, Isa isa, Matrix<float>& out,
+                          Vector<float>& lse) {
+  const Index n = Q.rows(), m = K.rows(), dv = V.cols();
+  // Also runs the detection (and the AMX permission request) if nothing did yet.
+  EFFATTN_CHECK(isa_available(isa), cat("ExactAttention: the bf16 kernel path '", isa_name(isa),
+                                        "' is not available on this machine (highest: '",
+                                        isa_name(detected_isa()), "')"));
+  if (n <= kBf16StreamingMaxQueries && plan.q_blocks == 1) {
+#if EFFATTN_BF16_X86
+    if (isa == Isa::Amx) {
+      const Index dpad = round_up(Q.cols(), 32);
+      Bf16Buffer q = Bf16Buffer::Zero(16 * dpad);
+      for (Index i = 0; i < n; ++i)
+        for (Index c = 0; c < Q.cols(); ++c) q(i * dpad + c) = to_bf16(Q(i, c), scale);
+      bf16_attention_run(AmxDecodeKernel<In>{K, V, q, dpad, round_up(dv, 32)}, n, m, dv, bias,
+                         causal, plan, out, lse);
+      return;
+    }
+#endif
+    Matrix<float> q(n, Q.cols());
+    for (Index c = 0; c < Q.cols(); ++c)
+      for (Index i = 0; i < n; ++i) q(i, c) = rounded_float(Q(i, c), scale);
+    bf16_attention_run(StreamingBf16Kernel<In>{K, V, q, isa != Isa::Generic}, n, m, dv, bias,
+                       causal, plan, out, lse);
+    return;
+  }
+#if EFFATTN_BF16_X86
+  if (isa != Isa::Generic) {
+    Bf16Panels panels;
+    pack_bf16_panels<In>(Q, K, V, scale, panels);
+    if (isa == Isa::Amx)
+      bf16_attention_run(X86Bf16Kernel<true>{panels}, n, m, dv, bias, causal, plan, out, lse);
+    else
+      bf16_attention_run(X86Bf16Kernel<false>{panels}, n, m, dv, bias, causal, plan, out, lse);
+    return;
+  }
+#endif
+  (void)isa;
+  Bf16RoundedFloats rounded;
+  round_to_bf16_floats<In>(Q, K, V, scale, rounded);
+  bf16_attention_run(GenericBf16Kernel{rounded}, n, m, dv, bias, causal, plan, out, lse);
+}
+
+}  // namespace detail
+}  // namespace effattn
