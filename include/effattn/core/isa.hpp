@@ -37,6 +37,8 @@
 #include <unistd.h>
 #endif
 #else
+/// 0: the x86 bf16 kernels are not compiled in (not x86-64, an older compiler, or
+/// `EFFATTN_NO_BF16_ISA`); TiledBf16 runs the generic path.
 #define EFFATTN_BF16_X86 0
 #endif
 
