@@ -99,8 +99,8 @@ TEST_CASE("MultiHead exact reads row-major inputs in place", "[exact][memory][mu
   const long long threads = max_threads();
   const long long extra = s.peak - out_bytes - lse_bytes;
   INFO("peak " << s.peak << " B: output " << out_bytes << ", lse " << lse_bytes << ", rest "
-               << extra << " (" << threads << " threads; one tile " << tile_bytes
-               << " B); K is " << K.size() * 4 << " B");
+               << extra << " (" << threads << " threads; one tile " << tile_bytes << " B); K is "
+               << K.size() * 4 << " B");
   CHECK(extra <= 2 * tile_bytes * threads + 64 * 1024);  // + the task plan (a few KiB)
 }
 
