@@ -91,6 +91,24 @@ struct TileWorkspace {
         l(bq) {}
 };
 
+/// Starts an online-softmax pass over rows [0, rows) of ws: running max -inf, row sums 0 (the
+/// accumulator, wherever the caller keeps it, is the caller's to zero).
+template <typename Scalar>
+void begin_rows(TileWorkspace<Scalar>& ws, Index rows) {
+  ws.m.head(rows).setConstant(-std::numeric_limits<Scalar>::infinity());
+  ws.l.head(rows).setZero();
+}
+
+/// Ends an online-softmax pass over rows [0, rows): out = acc / l (rows x dv; `out` may be `acc`
+/// itself) and lse = m + log l. The inverse goes through ws.alpha: a broadcast cast expression
+/// would be evaluated into a heap temporary once per block. O(rows dv).
+template <typename Scalar, typename Acc, typename Out, typename Lse>
+void finish_rows(TileWorkspace<Scalar>& ws, Index rows, const Acc& acc, Out&& out, Lse&& lse) {
+  ws.alpha.head(rows) = ws.l.head(rows).inverse().template cast<Scalar>();
+  out.array() = acc.array().colwise() * ws.alpha.head(rows);
+  lse.array() = ws.m.head(rows) + ws.l.head(rows).log().template cast<Scalar>();
+}
+
 /// The online-softmax update of one score tile: ws.s's top-left bq x cols block holds the logits
 /// S of bq query rows against `cols` keys. Updates the running max ws.m, the row sums ws.l (in
 /// double) and rescales the accumulator ws.acc by alpha = exp(m_old - m_new) (see the file
@@ -155,8 +173,7 @@ void online_softmax_block(const ConstRef<Scalar>& Q, const ConstRef<Scalar>& Kt,
   auto q = ws.q.topRows(bq);
   auto acc = ws.acc.topRows(bq);
   q.noalias() = Q.middleRows(i0, bq) * scale;
-  ws.m.head(bq).setConstant(ninf);
-  ws.l.head(bq).setZero();
+  begin_rows(ws, bq);
   acc.setZero();
 
   for (Index j0 = k_begin; j0 < k_end; j0 += bk) {
@@ -232,13 +249,7 @@ void tiled_attention(const ConstRef<Scalar>& Q, const ConstRef<Scalar>& K,
     parallel_for(plan.q_blocks, make_ws, [&](Index b, TileWorkspace<Scalar>& ws) {
       const Index i0 = b * bq, rows = std::min(bq, n - i0);
       online_softmax_block<Scalar>(Q, Kt, V, bias, scale, causal, i0, rows, 0, m, bk, ws);
-      // Normalise through a workspace vector: a broadcast cast expression would be evaluated
-      // into a heap temporary once per block.
-      ws.alpha.head(rows) = ws.l.head(rows).inverse().template cast<Scalar>();
-      out.middleRows(i0, rows).array() =
-          ws.acc.topRows(rows).array().colwise() * ws.alpha.head(rows);
-      lse.segment(i0, rows).array() =
-          ws.m.head(rows) + ws.l.head(rows).log().template cast<Scalar>();
+      finish_rows(ws, rows, ws.acc.topRows(rows), out.middleRows(i0, rows), lse.segment(i0, rows));
     });
     return;
   }

@@ -231,8 +231,7 @@ void bf16_block(const Kernel& kern, const float* bias, bool causal, Index n, Ind
   constexpr float ninf = -std::numeric_limits<float>::infinity();
   const Index off = m - n;  // causal: row i sees keys j <= i + off
   if (causal) k_end = std::min(k_end, i0 + rows + off);
-  ws.t.m.head(rows).setConstant(ninf);
-  ws.t.l.head(rows).setZero();
+  begin_rows(ws.t, rows);
   ws.acc.setZero();
   for (Index j0 = k_begin; j0 < k_end; j0 += bk) {
     const Index cols = std::min(bk, k_end - j0);
@@ -268,11 +267,8 @@ void bf16_attention_run(const Kernel& kern, Index n, Index m, Index dv, const fl
     parallel_for(plan.q_blocks, make_ws, [&](Index b, Bf16Workspace& ws) {
       const Index i0 = b * bq, rows = std::min(bq, n - i0);
       kern.task([&] { bf16_block(kern, bias, causal, n, m, i0, rows, 0, m, bk, ws); });
-      ws.t.alpha.head(rows) = ws.t.l.head(rows).inverse().template cast<float>();
-      out.middleRows(i0, rows).array() =
-          ws.acc.topLeftCorner(rows, dv).array().colwise() * ws.t.alpha.head(rows);
-      lse.segment(i0, rows).array() =
-          ws.t.m.head(rows) + ws.t.l.head(rows).log().template cast<float>();
+      finish_rows(ws.t, rows, ws.acc.topLeftCorner(rows, dv), out.middleRows(i0, rows),
+                  lse.segment(i0, rows));
     });
     return;
   }

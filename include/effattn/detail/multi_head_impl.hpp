@@ -333,8 +333,7 @@ bool mh_exact_pass(const MhExactProblem<Scalar>& P, const MhBlock& blk, Index sp
   auto q = ws.q.topRows(R);
   auto acc = ws.acc.topRows(R);
   t.load_queries(P.Q, P.scale, blk, d, q);
-  ws.m.head(R).setConstant(-std::numeric_limits<Scalar>::infinity());
-  ws.l.head(R).setZero();
+  begin_rows(ws, R);
   acc.setZero();
   bool finite = true;
   for (Index j0 = t.k_begin; j0 < t.k_end; j0 += P.bk) {
@@ -400,8 +399,7 @@ bool mh_decode_pass(const MhExactProblem<Scalar>& P, const MhBlock& blk, Index s
   auto qr = ws.qr.topRows(R);
   auto accr = ws.accr.topRows(R);
   t.load_queries(P.Q, P.scale, blk, d, qr);
-  ws.m.head(R).setConstant(-std::numeric_limits<Scalar>::infinity());
-  ws.l.head(R).setZero();
+  begin_rows(ws, R);
   ws.acc.topRows(R).setZero();  // rescaled by online_softmax_update, unused here
   accr.setZero();
   // Software prefetch kPrefetch keys ahead, whole rows: a row of a row-major cache is often a
@@ -608,10 +606,7 @@ void multi_head_exact(const ExactOptions& opts, const HeadLayout& layout,
     finite[static_cast<std::size_t>(t)] = ok ? 1 : 0;
     const Index R = blk.nh * blk.rows;
     if (blk.splits == 1) {
-      // Normalise through a workspace vector (as the single-head kernel does).
-      ws.alpha.head(R) = ws.l.head(R).inverse().template cast<Scalar>();
-      ws.acc.topRows(R).array().colwise() *= ws.alpha.head(R);
-      ws.shift.head(R) = ws.m.head(R) + ws.l.head(R).log().template cast<Scalar>();
+      finish_rows(ws, R, ws.acc.topRows(R), ws.acc.topRows(R), ws.shift.head(R));
       store(blk, ws.acc.topRows(R), ws.shift.head(R).matrix());
     } else {
       MhSplitState<Scalar>& st = states[static_cast<std::size_t>(blk.part)];
