@@ -158,10 +158,19 @@ def test_zero_copy_inputs_and_output(rng):
     assert not any(r.copies.values())
     # The output is the C++ buffer itself (owned by the array, not copied).
     assert r.output.flags.c_contiguous and not r.output.flags.owndata
-    # The measurement can fail: float64 input computed ... as float64, but a float16 q is
-    # converted, and tracemalloc sees the converted copy.
+    # The measurement can fail: a float16 q is converted to float32 once, and tracemalloc sees
+    # that copy (q.nbytes bytes).
     tracemalloc.start()
     r = effattn.sdpa(q.astype(np.float16), k, v)
     _, peak = tracemalloc.get_traced_memory()
     tracemalloc.stop()
     assert r.copies["q"] and peak >= q.nbytes
+
+
+def test_sdpa_bf16_policy(rng):
+    q, k = bhld(rng, 1, 4, 64, 32), bhld(rng, 1, 2, 64, 32)
+    r = effattn.sdpa(q, k, k, policy="tiled_bf16")
+    ref, _ = loop_reference(q, k, k, False)
+    assert r.output.dtype == np.float32 and 1e-6 < rel_err(r.output, ref) < 1e-2
+    with pytest.raises(ValueError, match="attention only"):
+        effattn.sdpa(q.view(np.uint16)[..., ::2].copy(), k, k)

@@ -74,3 +74,12 @@ def test_backward_matches_torch_autograd():
         grads = effattn.attention_backward(q.detach(), k.detach(), v.detach(), do, causal=causal)
         for ours, x in zip(grads, (q, k, v)):
             assert rel_err(ours, x.grad.numpy()) < 1e-12
+
+
+def test_bf16_tensor_through_a_uint16_view():
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(64, 32, generator=g).to(torch.bfloat16) for _ in range(3))
+    bits = [t.view(torch.int16).numpy().view(np.uint16) for t in (q, k, v)]
+    r = effattn.attention(*bits)
+    ref = torch_attention(q.float(), k.float(), v.float()).numpy()
+    assert r.dtype == "bfloat16" and rel_err(r.output, ref) < 1e-2
