@@ -270,7 +270,7 @@ inline void check_info(const PyResult& r, bool check, const std::string& functio
 
 /// Converts the head results of a MultiHead call for Python (see Packed and OutKind).
 template <typename F, typename MR>
-void convert_heads(MR& r, const Packed& p, PyResult& out, Index dv) {
+void convert_heads(MR& r, const Packed& p, PyResult& out) {
   using S = typename F::Scalar;
   using HR = typename F::Result;
   if constexpr (std::is_same_v<HR, ExactResult<S>>) {
@@ -313,7 +313,6 @@ void convert_heads(MR& r, const Packed& p, PyResult& out, Index dv) {
       out.heads.append(py::cast(std::move(h)));
     }
   }
-  (void)dv;
 }
 
 /// Runs MultiHead<F>(o, p.layout) on p; fills the output, info, diagnostics and extras.
@@ -335,7 +334,7 @@ PyResult run_packed(const Packed& p, const typename F::Options& o, const std::st
   out.info = to_string(r.info);
   out.seconds = seconds;
   const Index dv = p.layout.kv_heads > 0 ? p.v.cols / p.layout.kv_heads : p.v.cols;
-  convert_heads<F>(r, p, out, dv);
+  convert_heads<F>(r, p, out);
   if (p.out != OutKind::Matrix)
     for (const Diagnostic& d : r.diagnostics()) out.diagnostics[d.name] = d.value;
   const Index rows = r.output.rows();

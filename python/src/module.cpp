@@ -233,6 +233,7 @@ PyResult sdpa(const py::object& q, const py::object& k, const py::object& v, boo
   Packed p;
   p.dtype = pick_dtype({&qa, &ka, &va});
   p.per_head = method != "exact";
+  bool causal = is_causal;
   const bool varlen = !cu_seqlens_q.is_none() || !cu_seqlens_k.is_none();
   if (varlen) {
     if (cu_seqlens_q.is_none()) throw py::value_error(fn + ": cu_seqlens_k needs cu_seqlens_q");
@@ -301,7 +302,10 @@ PyResult sdpa(const py::object& q, const py::object& k, const py::object& v, boo
     View tmp;
     const bool q_seq = is_dtype(qa, p.dtype) && seq_view(qa, tmp);
     const bool q_packed = is_dtype(qa, p.dtype) && packed_view(qa, {0, 2}, 1, tmp);
-    const bool rows_independent = method == "exact" && !is_causal;
+    // One query per sequence (decoding): the bottom-right aligned mask shows it every key, so
+    // exact attention drops the mask and reads a (B, G, S, d) cache in place even with GQA.
+    if (method == "exact" && L == 1) causal = false;
+    const bool rows_independent = method == "exact" && !causal;
     bool packed = false;
     if (G == H)
       packed = q_packed && !q_seq;
@@ -326,7 +330,7 @@ PyResult sdpa(const py::object& q, const py::object& k, const py::object& v, boo
       p.out = OutKind::Contiguous;
     }
   }
-  PyResult r = run(p, kw, is_causal);
+  PyResult r = run(p, kw, causal);
   check_info(r, check, fn);
   return r;
 }

@@ -121,6 +121,14 @@ def test_varlen_decoding_against_a_cache(rng):
             assert rel_err(r.output[b, h], ref[0]) < 1e-12
 
 
+def test_decoding_step_reads_a_gqa_cache_in_place(rng):
+    # one query per sequence against a (B, G, S, d) cache: the causal mask shows every key
+    q, k, v = bhld(rng, 2, 8, 1, 32), bhld(rng, 2, 2, 300, 32), bhld(rng, 2, 2, 300, 32)
+    r = effattn.sdpa(q, k, v, is_causal=True)
+    assert not any(r.copies.values())
+    assert rel_err(r.output, loop_reference(q, k, v, True)[0]) < 2e-6
+
+
 def test_sdpa_bad_input(rng):
     q, k = bhld(rng, 2, 4, 8, 16), bhld(rng, 2, 3, 8, 16)
     with pytest.raises(ValueError, match="multiple"):
