@@ -1,6 +1,8 @@
 """effattn against PyTorch (the reference its users trust), on torch tensors. Skipped with the
 reason printed (pytest -rs) when torch is not installed."""
 
+import os
+
 import numpy as np
 import pytest
 
@@ -83,3 +85,15 @@ def test_bf16_tensor_through_a_uint16_view():
     r = effattn.attention(*bits)
     ref = torch_attention(q.float(), k.float(), v.float()).numpy()
     assert r.dtype == "bfloat16" and rel_err(r.output, ref) < 1e-2
+
+
+def test_readme_example_runs():
+    """The ```python example of README "From Python" runs as written."""
+    readme = os.path.join(os.path.dirname(__file__), "..", "..", "README.md")
+    text = open(readme).read()
+    section = text[text.index("## From Python"):]
+    code = section[section.index("```python") + len("```python"):]
+    code = code[: code.index("```")]
+    env = {}
+    exec(compile(code, "README.md (From Python)", "exec"), env)
+    assert env["r"].output.shape == (1024, 32, 128) and env["dv"].shape == (4096, 64)
