@@ -73,17 +73,21 @@ def rel_err(out, ref, rows):
 
 
 def median_times(fns, repeat):
-    """Runs every fn once (warm-up), then `repeat` rounds in a rotating order; median seconds."""
+    """Runs every fn once (warm-up), then `repeat` rounds in a rotating order; median wall and
+    process CPU seconds (CPU time: the load-independent measure for one thread)."""
     times = {name: [] for name in fns}
+    cpu = {name: [] for name in fns}
     results = {name: fn() for name, fn in fns.items()}
     names = list(fns)
     for r in range(repeat):
         order = names[r % len(names):] + names[: r % len(names)]
         for name in order:
-            t0 = time.perf_counter()
+            c0, t0 = time.process_time(), time.perf_counter()
             results[name] = fns[name]()
             times[name].append(time.perf_counter() - t0)
-    return {n: statistics.median(t) for n, t in times.items()}, results
+            cpu[name].append(time.process_time() - c0)
+    med = lambda d: {n: statistics.median(t) for n, t in d.items()}  # noqa: E731
+    return med(times), med(cpu), results
 
 
 def make_qkv(kind, B, H, L, d):
@@ -110,7 +114,7 @@ def bench_shape(kind, B, H, L, d, repeat, samples, rank):
     if has_sdpa:
         fns["torch sdpa"] = lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v)
     with torch.no_grad():
-        times, results = median_times(fns, repeat)
+        times, cpu, results = median_times(fns, repeat)
         rows = torch.arange(0, L, max(1, L // 128))
         ref = reference_rows(q, k, v, rows)
         errors = {}
@@ -118,10 +122,12 @@ def bench_shape(kind, B, H, L, d, repeat, samples, rank):
             out = res.output if isinstance(res, effattn.Result) else res
             errors[name] = rel_err(out, ref, rows)
     base = times["torch exact (matmul+softmax)"]
+    cpu_base = cpu["torch exact (matmul+softmax)"]
     table = []
     for name in fns:
         table.append(dict(shape=[B, H, L, d], workload=kind, name=name, ms=1e3 * times[name],
-                          speedup_vs_torch_exact=base / times[name], rel_err=errors[name]))
+                          speedup_vs_torch_exact=base / times[name], rel_err=errors[name],
+                          cpu_ms=1e3 * cpu[name], cpu_speedup_vs_torch_exact=cpu_base / cpu[name]))
     if not has_sdpa:
         table.append(dict(shape=[B, H, L, d], name="torch sdpa", ms=None,
                           speedup_vs_torch_exact=None, rel_err=None,
@@ -173,13 +179,14 @@ def main():
         table += bench_shape(a.workload, a.batch, a.heads, L, a.d, a.repeat, a.samples, a.rank)
         over.append(overhead(a.batch, a.heads, L, a.d, max(a.repeat, 21)))
     print(f"\n{'shape (B, H, L, d)':<20} {'method':<30} {'ms':>9} {'vs torch exact':>15} "
-          f"{'rel. error':>11}")
+          f"{'rel. error':>11} {'CPU ms':>9} {'CPU vs torch':>13}")
     for row in table:
         if row["ms"] is None:
             print(f"{str(tuple(row['shape'])):<20} {row['name']:<30} {row['note']:>37}")
             continue
         print(f"{str(tuple(row['shape'])):<20} {row['name']:<30} {row['ms']:>9.2f} "
-              f"{row['speedup_vs_torch_exact']:>14.2f}x {row['rel_err']:>11.2e}")
+              f"{row['speedup_vs_torch_exact']:>14.2f}x {row['rel_err']:>11.2e} "
+              f"{row['cpu_ms']:>9.2f} {row['cpu_speedup_vs_torch_exact']:>12.2f}x")
     print(f"\n{'shape (B, H, L, d)':<20} {'Python call ms':>15} {'C++ ms':>9} {'overhead us':>12} "
           f"{'overhead %':>11}")
     for o in over:
