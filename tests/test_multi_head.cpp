@@ -124,19 +124,20 @@ TEMPLATE_TEST_CASE("MultiHead equals the per-head calls for every method", "[mul
         REQUIRE(rr.output.cols() == L.heads * dv);
         REQUIRE(rr.head_results.size() == (cu.size() - 1) * static_cast<std::size_t>(L.heads));
         // For the other methods, storage order changes nothing but the alignment of the per-head
-        // slices (a row-major
-        // slice is copied into an aligned buffer, a column-major one is a view at an arbitrary
-        // offset), which changes how Eigen splits its vectorised reductions: round-off only
-        // (WildCat float measured 2e-7 relative). The exact kernel reads both in place with
-        // the same arithmetic: bit-identical.
+        // slices (a row-major slice is copied into an aligned buffer, a column-major one is a
+        // view at an arbitrary offset), which changes how Eigen splits its vectorised
+        // reductions: round-off only (WildCat float measured 2e-7 relative). The exact kernel
+        // reads both in place (see below).
         const double order_err = rel_err<S>(Matrix<S>(rr.output), rc.output);
         INFO("row- vs column-major relative difference " << order_err);
         if constexpr (exact_tiled) {
           // Stacked (decoding) blocks of row-major K and V run the GEMM-free decoding kernel,
-          // column-major ones the GEMM kernel: round-off apart. Prefill blocks: bit-identical.
+          // column-major ones the GEMM kernel; prefill blocks of a row-major V accumulate
+          // acc^T += V_t^T P^T in a row-major accumulator (V read along its rows) where a
+          // column-major V gives acc += P V_t: another GEMM summation order. Round-off apart
+          // (measured 5e-8 to 7e-8 relative in float, under one epsilon); the column-major
+          // result is bit-identical to the per-head calls below.
           CHECK(order_err < 50 * std::numeric_limits<S>::epsilon());
-          CHECK(Matrix<S>(rr.output.middleRows(cu[3], cu[5] - cu[3])) ==
-                rc.output.middleRows(cu[3], cu[5] - cu[3]));
         } else
           CHECK(order_err < 1e3 * std::numeric_limits<S>::epsilon());
         const Matrix<S> ref = per_head_reference(mh.functor(), L, Qc, Kc, Vc, cu, cu);
