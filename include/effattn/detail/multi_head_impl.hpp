@@ -7,6 +7,7 @@
 #include <cmath>
 #include <limits>
 #include <string>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -755,6 +756,107 @@ MultiHeadResult<F, (DQ::IsRowMajor ? Eigen::RowMajor : Eigen::ColMajor)> MultiHe
         });
   }
   return r;
+}
+
+namespace detail {
+/// Whether F has `backward(Q, K, V, result, dO)`.
+template <typename F, typename = void>
+struct has_backward : std::false_type {};
+template <typename F>
+struct has_backward<F, std::void_t<decltype(std::declval<const F&>().backward(
+                           std::declval<const ConstRef<typename F::Scalar>&>(),
+                           std::declval<const ConstRef<typename F::Scalar>&>(),
+                           std::declval<const ConstRef<typename F::Scalar>&>(),
+                           std::declval<const typename F::Result&>(),
+                           std::declval<const ConstRef<typename F::Scalar>&>()))>>
+    : std::true_type {};
+}  // namespace detail
+
+template <typename F>
+template <typename DQ, typename DK, typename DV, int ResultOrder, typename DO>
+MultiHeadGradients<typename F::Scalar, (DQ::IsRowMajor ? Eigen::RowMajor : Eigen::ColMajor)>
+MultiHead<F>::backward(const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
+                       const Eigen::MatrixBase<DV>& V,
+                       const MultiHeadResult<F, ResultOrder>& result,
+                       const Eigen::MatrixBase<DO>& dO, const SeqOffsets& cu_seqlens_q,
+                       const SeqOffsets& cu_seqlens_k, const std::vector<Index>& seqused_k) const {
+  static_assert(detail::has_backward<F>::value,
+                "effattn: MultiHead<F>::backward needs a functor with backward (exact attention, "
+                "Conv-Basis, Performer)");
+  constexpr int order = DQ::IsRowMajor ? Eigen::RowMajor : Eigen::ColMajor;
+  Matrix<Scalar> tq, tk, tv, to, tdo;
+  detail::RowMatrix<Scalar> rq, rk, rv, ro, rdo;
+  const detail::PackedView<Scalar> qv = detail::packed_view(Q, tq, rq);
+  const detail::PackedView<Scalar> kv = detail::packed_view(K, tk, rk);
+  const detail::PackedView<Scalar> vv = detail::packed_view(V, tv, rv);
+  const detail::MultiHeadBatch mb =
+      detail::check_multi_head(qv, kv, vv, m_layout, cu_seqlens_q, cu_seqlens_k, seqused_k);
+  const Index H = m_layout.heads, G = m_layout.kv_heads, group = H / G, B = mb.batch();
+  const Index d = mb.d, dv = mb.dv;
+  EFFATTN_CHECK(result.info == Info::Success,
+                detail::cat("MultiHead<", F::name,
+                            ">: backward needs the result of a successful forward call; got info ",
+                            static_cast<int>(result.info)));
+  EFFATTN_CHECK(
+      result.heads == H && result.kv_heads == G && result.batch == B &&
+          result.head_results.size() == static_cast<std::size_t>(B * H) &&
+          result.output.rows() == qv.rows && result.output.cols() == H * dv,
+      detail::cat("MultiHead<", F::name, ">: result must be the forward result of these inputs (",
+                  B, " sequences, ", H, " heads, ", G, " kv heads, output ", qv.rows, " x ", H * dv,
+                  "); got ", result.batch, " sequences, ", result.heads, " heads, ",
+                  result.kv_heads, " kv heads, output ", detail::shape(result.output)));
+  const detail::PackedView<Scalar> ov = detail::packed_view(result.output, to, ro);
+  const detail::PackedView<Scalar> dov = detail::packed_view(dO, tdo, rdo);
+  EFFATTN_CHECK(
+      dov.rows == qv.rows && dov.cols == H * dv,
+      detail::cat("MultiHead<", F::name, ">: dO must be T_q x heads dv = ", qv.rows, " x ", H * dv,
+                  " (the output's shape); got ", dov.rows, " x ", dov.cols));
+  detail::check_finite_view(dov, "dO");
+
+  MultiHeadGradients<Scalar, order> g;
+  g.dQ.setZero(qv.rows, H * d);
+  g.dK.setZero(kv.rows, G * d);
+  g.dV.setZero(vv.rows, G * dv);
+  auto view = [](auto& x) {
+    return detail::PackedView<Scalar, Scalar*>{x.data(), x.rows(), x.cols(),
+                                               order == Eigen::RowMajor ? x.cols() : x.rows(),
+                                               order == Eigen::RowMajor};
+  };
+  const auto dqv = view(g.dQ), dkv = view(g.dK), dvv = view(g.dV);
+  // Tasks (sequence, kv head): each owns its dK, dV slice and its query heads' dQ slices.
+  detail::parallel_for(
+      B * G, [] { return 0; },
+      [&](Index t, int&) {
+        const Index b = t / G, kvh = t % G;
+        const std::size_t i = static_cast<std::size_t>(b);
+        const Index q0 = mb.q[i], nq = mb.q[i + 1] - q0, k0 = mb.k[i], nk = mb.k_len[i];
+        if (nq == 0) return;
+        Matrix<Scalar> dk = Matrix<Scalar>::Zero(nk, d), dvs = Matrix<Scalar>::Zero(nk, dv);
+        for (Index h = kvh * group; h < (kvh + 1) * group; ++h) {
+          typename F::Result hr = result.head(b, h);
+          detail::with_slice_ref(ov, q0, nq, h * dv, dv,
+                                 [&](const ConstRef<Scalar>& o) { hr.output = o; });
+          try {
+            detail::with_slice_ref(qv, q0, nq, h * d, d, [&](const ConstRef<Scalar>& q) {
+              detail::with_slice_ref(kv, k0, nk, kvh * d, d, [&](const ConstRef<Scalar>& k) {
+                detail::with_slice_ref(vv, k0, nk, kvh * dv, dv, [&](const ConstRef<Scalar>& v) {
+                  detail::with_slice_ref(dov, q0, nq, h * dv, dv, [&](const ConstRef<Scalar>& go) {
+                    const auto gr = m_functor.backward(q, k, v, hr, go);
+                    detail::write_slice(dqv, q0, h * d, gr.dQ);
+                    dk += gr.dK;
+                    dvs += gr.dV;
+                  });
+                });
+              });
+            });
+          } catch (const ::effattn::invalid_argument& e) {
+            detail::rethrow_for_head(F::name, e.what(), b, h, "head");
+          }
+        }
+        detail::write_slice(dkv, k0, kvh * d, dk);
+        detail::write_slice(dvv, k0, kvh * dv, dvs);
+      });
+  return g;
 }
 
 template <typename F>
