@@ -94,18 +94,35 @@ inline void global_check(bool ok, const char* who, const std::string& msg) {
   if (!ok) effattn::detail::throw_invalid_argument(cat(who, ": ", msg));
 }
 
-/// Drives the two requests of a ring step to completion while the caller computes: a helper
-/// thread polling MPI_Testall (MPI_THREAD_SERIALIZED: the caller makes no MPI call until
-/// `finish`), or `poll()` called by the caller between chunks. Accumulates the caller's MPI time.
-class StepExchange {
+/// Drives the two requests of each ring step to completion while the caller computes.
+///
+/// Thread mode: one helper thread per `compute` call (started before the first step, so its
+/// creation never lands inside a step) calls MPI_Testall every `poll_us` microseconds while a
+/// step's requests are pending (every millisecond when idle) and never otherwise. The caller and
+/// the helper are never in MPI at once (MPI_THREAD_SERIALIZED): the caller posts before raising
+/// `active` and, to take MPI back, lowers `active` and waits until the helper is out of MPI; the
+/// helper raises `in_mpi` before reading `active` (sequentially consistent atomics, so one of
+/// the two always sees the other's flag). No locks and no wake-ups of the caller: on a loaded
+/// machine a blocked caller can lose its core for a whole time slice. Poll mode: the caller
+/// calls `poll()` between chunks. Accumulates the caller's MPI time (posting, polls, waiting)
+/// in `exposed`.
+class RingExchange {
  public:
-  StepExchange(bool use_thread, int poll_us, double& exposed)
-      : m_thread(use_thread), m_poll_us(poll_us), m_exposed(exposed) {}
-  StepExchange(const StepExchange&) = delete;
-  StepExchange& operator=(const StepExchange&) = delete;
-  ~StepExchange() { stop_helper(); }
+  RingExchange(bool use_thread, int poll_us, double& exposed)
+      : m_thread(use_thread), m_poll_us(poll_us), m_exposed(exposed) {
+    if (m_thread) m_helper = std::thread([this] { helper(); });
+  }
+  RingExchange(const RingExchange&) = delete;
+  RingExchange& operator=(const RingExchange&) = delete;
+  ~RingExchange() {
+    if (m_helper.joinable()) {
+      m_active.store(false);
+      m_quit.store(true);
+      m_helper.join();
+    }
+  }
 
-  /// Posts MPI_Irecv(recv) and MPI_Isend(send) and starts the helper thread.
+  /// Posts MPI_Irecv(recv) and MPI_Isend(send) and hands them to the helper thread.
   void post(void* recv, int recv_count, int from, const void* send, int send_count, int to,
             MPI_Datatype type, MPI_Comm comm) {
     const double t = now();
@@ -113,20 +130,10 @@ class StepExchange {
     MPI_Irecv(recv, recv_count, type, from, kTag, comm, &m_req[0]);
     MPI_Isend(send, send_count, type, to, kTag, comm, &m_req[1]);
     m_pending = true;
-    m_done.store(false);
-    m_stop.store(false);
-    if (m_thread)
-      m_helper = std::thread([this] {
-        while (!m_stop.load(std::memory_order_acquire)) {
-          int flag = 0;
-          MPI_Testall(2, m_req, &flag, MPI_STATUSES_IGNORE);
-          if (flag != 0) {
-            m_done.store(true, std::memory_order_release);
-            return;
-          }
-          std::this_thread::sleep_for(std::chrono::microseconds(m_poll_us));
-        }
-      });
+    if (m_thread) {
+      m_done.store(false);
+      m_active.store(true);
+    }
     m_exposed += now() - t;
   }
 
@@ -144,25 +151,40 @@ class StepExchange {
   void finish() {
     if (!m_pending) return;
     const double t = now();
-    stop_helper();
-    if (!m_done.load(std::memory_order_acquire)) MPI_Waitall(2, m_req, MPI_STATUSES_IGNORE);
+    if (m_thread) {
+      m_active.store(false);
+      while (m_in_mpi.load()) std::this_thread::yield();
+    }
+    if (!(m_thread && m_done.load())) MPI_Waitall(2, m_req, MPI_STATUSES_IGNORE);
     m_pending = false;
     m_exposed += now() - t;
   }
 
  private:
-  void stop_helper() {
-    if (m_helper.joinable()) {
-      m_stop.store(true, std::memory_order_release);
-      m_helper.join();
+  void helper() {
+    while (!m_quit.load()) {
+      bool busy = false;
+      m_in_mpi.store(true);
+      if (m_active.load() && !m_done.load()) {
+        busy = true;
+        int flag = 0;
+        MPI_Testall(2, m_req, &flag, MPI_STATUSES_IGNORE);
+        if (flag != 0) {
+          m_done.store(true);
+          busy = false;
+        }
+      }
+      m_in_mpi.store(false);
+      std::this_thread::sleep_for(std::chrono::microseconds(busy ? m_poll_us : 1000));
     }
   }
+
   bool m_thread;
   int m_poll_us;
   double& m_exposed;
   MPI_Request m_req[2] = {MPI_REQUEST_NULL, MPI_REQUEST_NULL};
   bool m_pending = false;
-  std::atomic<bool> m_stop{false}, m_done{false};
+  std::atomic<bool> m_active{false}, m_done{false}, m_in_mpi{false}, m_quit{false};
   std::thread m_helper;
 };
 
@@ -353,10 +375,10 @@ typename RingAttention<Scalar_>::Result RingAttention<Scalar_>::compute(const Re
   double exposed = 0;
   const Index group = H / G;
 
+  detail::RingExchange ex(use_thread, m_opts.poll_interval_us, exposed);
   for (int s = 0; s < P; ++s) {
     const int src = (me - s + P) % P, cur = s % 2;
     const Index src_rows = rows[static_cast<std::size_t>(src)];
-    detail::StepExchange ex(use_thread, m_opts.poll_interval_us, exposed);
     if (s + 1 < P) {
       const int next = (me - s - 1 + 2 * P) % P;
       const Index next_rows = rows[static_cast<std::size_t>(next)];
