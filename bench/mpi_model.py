@@ -56,6 +56,8 @@ def main():
     ap.add_argument("--d", type=int, default=64)
     ap.add_argument("--heads", type=int, default=1)
     ap.add_argument("--kv-heads", type=int, default=0)
+    ap.add_argument("--node-threads", type=int, default=64,
+                    help="cores of the node scenario (F times this)")
     ap.add_argument("--out", default="bench/results/mpi_model.png")
     a = ap.parse_args()
     G = a.kv_heads or a.heads
@@ -75,25 +77,41 @@ def main():
         links.append(("loopback (measured)", measured["comm_GBps"], 5.0))
 
     kw = dict(d=a.d, H=a.heads, G=G)
-    print(f"per-rank kernel rate F = {rate:.1f} GFLOP/s, d = {a.d}, heads = {a.heads}, "
-          f"kv_heads = {G}, float")
-    for name, bw, lat in links:
-        t_star = crossover(F, bw * 1e9, lat * 1e-6, **kw)
-        t_star_c = crossover(F, bw * 1e9, lat * 1e-6, causal=True, **kw)
-        print(f"{name:>22}: communication hides while T >= {t_star:7.0f} tokens per rank "
-              f"(causal striped: {t_star_c:7.0f})")
+    # Two compute scenarios: the measured rank (one thread) and a node running the same kernel
+    # on `--node-threads` cores (perfect intra-node scaling assumed: an upper bound on F, hence
+    # the harder case for hiding communication).
+    rates = [(f"1 thread, {rate:.0f} GFLOP/s (measured)", F),
+             (f"{a.node_threads}-core node, {a.node_threads * rate / 1000:.1f} TFLOP/s",
+              a.node_threads * F)]
+    print(f"per-rank kernel rate F = {rate:.1f} GFLOP/s (one thread), d = {a.d}, "
+          f"heads = {a.heads}, kv_heads = {G}, float")
+    for rname, FF in rates:
+        print(f"\n{rname}")
+        for name, bw, lat in links:
+            t_star = crossover(FF, bw * 1e9, lat * 1e-6, **kw)
+            t_star_c = crossover(FF, bw * 1e9, lat * 1e-6, causal=True, **kw)
+            print(f"{name:>22}: communication hides while T >= {t_star:8.0f} tokens per rank "
+                  f"(causal striped: {t_star_c:8.0f})")
 
     Ps = [8, 16, 32, 64, 128, 256]
     Ns = [1e5, 1e6, 1e7]
-    print("\nstrong scaling (parallel efficiency t_1 / (P t_P); time in s)")
-    for name, bw, lat in links:
-        for N in Ns:
+    for rname, FF in rates:
+        print(f"\nstrong scaling, {rname}: time per call (parallel efficiency t_1 / (P t_P))")
+        for name, bw, lat in links:
+            for N in Ns:
+                row = []
+                for P in Ps:
+                    t, _, _ = ring_time(N, P, FF, bw * 1e9, lat * 1e-6, **kw)
+                    t1 = 4.0 * N * N * a.heads * a.d / FF
+                    row.append(f"{P}: {t:8.3g} s ({t1 / (P * t):4.2f})")
+                print(f"{name:>22} N={N:.0e}: " + " ".join(row))
+        print(f"weak scaling, {rname}: efficiency at T tokens per rank (the same for every P)")
+        for name, bw, lat in links:
             row = []
-            for P in Ps:
-                t, _, _ = ring_time(N, P, F, bw * 1e9, lat * 1e-6, **kw)
-                t1 = 4.0 * N * N * a.heads * a.d / F
-                row.append(f"P={P}: {t:9.3g} s ({t1 / (P * t):4.2f})")
-            print(f"{name:>22} N={N:.0e}: " + "  ".join(row))
+            for T in [1e2, 1e3, 1e4, 1e5]:
+                t, _, _ = ring_time(8 * T, 8, FF, bw * 1e9, lat * 1e-6, **kw)
+                row.append(f"T={T:.0e}: {8 * 4.0 * T * T * a.heads * a.d / FF / t:4.2f}")
+            print(f"{name:>22}: " + "  ".join(row))
 
     try:
         import matplotlib
@@ -102,37 +120,42 @@ def main():
     except ImportError:
         print("matplotlib missing: apt-get install -y python3-matplotlib; no plot written")
         return
-    fig, ax = plt.subplots(1, 3, figsize=(16, 4.8))
+    fig, ax = plt.subplots(1, 3, figsize=(17, 5))
     styles = ["-", "--", ":", "-."]
+    FF = rates[1][1]
     for li, (name, bw, lat) in enumerate(links):
         for N, col in zip(Ns, ["tab:blue", "tab:orange", "tab:green"]):
             ts, eff = [], []
             for P in Ps:
-                t, _, _ = ring_time(N, P, F, bw * 1e9, lat * 1e-6, **kw)
+                t, _, _ = ring_time(N, P, FF, bw * 1e9, lat * 1e-6, **kw)
                 ts.append(t)
-                eff.append(4.0 * N * N * a.heads * a.d / F / (P * t))
+                eff.append(4.0 * N * N * a.heads * a.d / FF / (P * t))
             lab = f"N={N:.0e}, {name}"
             ax[0].loglog(Ps, ts, styles[li % 4], color=col, marker="o", ms=3, label=lab)
             ax[1].semilogx(Ps, eff, styles[li % 4], color=col, marker="o", ms=3, label=lab)
-        # Weak scaling: T tokens per rank, N = P T.
-        for T, col in zip([1e3, 4e3, 4e4], ["tab:red", "tab:purple", "tab:brown"]):
+    Ts = [10 ** (x / 8) for x in range(8, 41)]
+    for ri, (rname, FR) in enumerate(rates):
+        for li, (name, bw, lat) in enumerate(links):
             eff = []
-            for P in Ps:
-                t, _, _ = ring_time(P * T, P, F, bw * 1e9, lat * 1e-6, **kw)
-                eff.append(P * 4.0 * T * T * a.heads * a.d / F / t)
-            ax[2].semilogx(Ps, eff, styles[li % 4], color=col, marker="o", ms=3,
-                           label=f"T={T:.0e}/rank, {name}")
-    ax[0].set(title="strong scaling: time per call", xlabel="ranks P", ylabel="seconds")
+            for T in Ts:
+                t, _, _ = ring_time(64 * T, 64, FR, bw * 1e9, lat * 1e-6, **kw)
+                eff.append(64 * 4.0 * T * T * a.heads * a.d / FR / t)
+            ax[2].semilogx(Ts, eff, styles[li % 4], color=["tab:gray", "tab:red"][ri],
+                           label=f"{rname.split(',')[0]}, {name}")
+    ax[0].set(title=f"strong scaling, {rates[1][0]}: time per call", xlabel="ranks P",
+              ylabel="seconds")
     ax[1].set(title="strong scaling: efficiency t1 / (P tP)", xlabel="ranks P", ylim=(0, 1.05))
-    ax[2].set(title="weak scaling (N = P T): efficiency", xlabel="ranks P", ylim=(0, 1.05))
-    for x in ax:
-        x.grid(True, which="both", alpha=0.3)
+    ax[2].set(title="weak scaling (N = P T): efficiency vs tokens per rank T",
+              xlabel="tokens per rank T", ylim=(0, 1.05))
+    for x in ax[:2]:
         x.set_xticks(Ps)
         x.set_xticklabels([str(p) for p in Ps])
+    for x in ax:
+        x.grid(True, which="both", alpha=0.3)
     ax[1].legend(fontsize=6, ncol=2)
-    ax[2].legend(fontsize=6, ncol=2)
-    fig.suptitle(f"ring attention, alpha-beta model: F = {rate:.0f} GFLOP/s per rank, d = {a.d}, "
-                 f"float")
+    ax[2].legend(fontsize=6)
+    fig.suptitle(f"ring attention, alpha-beta model (d = {a.d}, heads = {a.heads}, kv_heads = {G}, "
+                 f"float; measured F = {rate:.0f} GFLOP/s per thread)")
     fig.tight_layout()
     fig.savefig(a.out, dpi=110)
     print(f"\nwrote {a.out}")

@@ -18,10 +18,10 @@
 /// communication hides behind computation when a block takes longer to compute than to send:
 /// with T = N / P tokens per rank, H query heads and G key/value heads of width d, a step
 /// computes 4 T^2 H d flops (at the kernel rate F) and sends 2 T G d scalars (at link bandwidth
-/// B, latency alpha): the ring is compute-bound when
-/// \f[ \frac{4 T^2 H d}{F} \ \ge\ \alpha + \frac{2 T G d\, b}{B}
-///     \quad\Longleftrightarrow\quad T \gtrsim \frac{G\, b\, F}{2 H B}
-///     \ \ (b \text{ bytes per scalar}). \f]
+/// B bytes/s, latency alpha; b bytes per scalar): the ring is compute-bound when
+/// \f[ \frac{4 T^2 H d}{F} \ \ge\ \alpha + \frac{2 T G d b}{B}, \f]
+/// i.e. \f$ T \ge G b F / (2 H B) \f$ tokens per rank when alpha is small.
+/// (Half the flops per step with `causal` and striped shards: T twice as large.)
 #pragma once
 
 #include <mpi.h>
