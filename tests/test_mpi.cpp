@@ -112,6 +112,21 @@ RingErrors ring_vs_oracle(const RingCase& c, std::uint64_t seed, Matrix<S>* out 
   CHECK(r.output.rows() == static_cast<Index>(pos.size()));
   CHECK(r.output.cols() == c.heads * c.dv);
   CHECK(r.lse.cols() == c.heads);
+  CHECK(r.stats.steps == P);
+  // Traffic: every block but the one received last goes on to the next rank.
+  std::int64_t sent = 0, received = 0;
+  const auto block_bytes = [&](int p) {
+    const Index rows = c.sharding == mpi::Sharding::Striped || c.lengths.empty()
+                           ? static_cast<Index>(mpi::shard_positions(c.N, P, p, c.sharding).size())
+                           : c.lengths[static_cast<std::size_t>(p)];
+    return static_cast<std::int64_t>(rows * c.kv_heads * (c.d + c.dv) * sizeof(S));
+  };
+  for (int s = 0; s + 1 < P; ++s) {
+    sent += block_bytes((me - s + P) % P);
+    received += block_bytes((me - s - 1 + 2 * P) % P);
+  }
+  CHECK(r.stats.bytes_sent == sent);
+  CHECK(r.stats.bytes_received == received);
   if (out != nullptr) *out = r.output;
 
   ExactOptions eo;
