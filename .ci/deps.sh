@@ -20,4 +20,5 @@ effattn_ensure_packages() {
     { $sudo apt-get update && $sudo apt-get install -y --no-install-recommends "${missing[@]}"; }
 }
 
-EFFATTN_PACKAGES=(cmake g++ make pkg-config libeigen3-dev libfftw3-dev catch2 libbenchmark-dev)
+EFFATTN_PACKAGES=(cmake g++ make pkg-config libeigen3-dev libfftw3-dev catch2 libbenchmark-dev
+                  libopenmpi-dev openmpi-bin)
