@@ -78,6 +78,11 @@ struct RingOptions {
   Index block_q = 0;
   /// Keys per tile of the exact Tiled kernel (0 = automatic).
   Index block_k = 0;
+  /// Float only: run each block with bf16 products and fp32 accumulation
+  /// (`ExactAttention<float, policy::TiledBf16>`, on AMX, AVX512-BF16 or the portable path, see
+  /// `effattn::active_isa()`), with its error model (about 3e-3 relative on the shared
+  /// workloads). The blocks still travel in float. `RingAttention<double>` rejects it.
+  bool bf16 = false;
   /// How MPI progress is made during a block's computation.
   Progress progress = Progress::Auto;
   /// Sleep between two MPI_Testall calls of the progress thread, in microseconds (>= 1).

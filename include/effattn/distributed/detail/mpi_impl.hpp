@@ -15,6 +15,7 @@
 #include <limits>
 #include <string>
 #include <thread>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -251,6 +252,8 @@ RingAttention<Scalar_>::RingAttention(MPI_Comm comm, Options opts) : m_comm(comm
                              ": Options::layout needs heads >= 1 and heads a multiple "
                              "of kv_heads (0 = heads); got heads = ",
                              hl.heads, ", kv_heads = ", hl.kv_heads));
+    EFFATTN_CHECK((!m_opts.bf16 || std::is_same_v<Scalar, float>),
+                  effattn::detail::cat(name, ": Options::bf16 needs Scalar = float"));
     EFFATTN_CHECK(m_opts.poll_interval_us >= 1,
                   effattn::detail::cat(name, ": Options::poll_interval_us must be >= 1; got ",
                                        m_opts.poll_interval_us));
@@ -359,6 +362,21 @@ typename RingAttention<Scalar_>::Result RingAttention<Scalar_>::compute(const Re
   const Index T = rows[static_cast<std::size_t>(me)];
   const Index max_rows = *std::max_element(rows.begin(), rows.end());
   const Scalar scale = static_cast<Scalar>(effattn::detail::resolve_scale(m_opts.scale, d));
+  // Options::bf16 (float only): the bf16 exact functor per mask (for double a placeholder type,
+  // never called).
+  using Bf16Functor =
+      std::conditional_t<std::is_same_v<Scalar, float>, ExactAttention<float, policy::TiledBf16>,
+                         ExactAttention<Scalar>>;
+  auto bf16_functor = [&](bool causal) {
+    ExactOptions eo;
+    eo.scale = static_cast<double>(scale);
+    eo.causal = causal;
+    eo.block_q = m_opts.block_q;
+    eo.block_k = m_opts.block_k;
+    return Bf16Functor(eo);
+  };
+  [[maybe_unused]] const Bf16Functor bf16_full = bf16_functor(false),
+                                     bf16_causal = bf16_functor(true);
   std::vector<Scalar> buf[2];
   buf[0].resize(static_cast<std::size_t>(max_rows * W));
   if (P > 1) buf[1].resize(buf[0].size());
@@ -420,8 +438,16 @@ typename RingAttention<Scalar_>::Result RingAttention<Scalar_>::compute(const Re
           const Ref Vh = blk.block(0, kc + g * dv, kr, dv);
           Matrix<Scalar> o;
           Vector<Scalar> l;
-          effattn::detail::tiled_attention<Scalar>(Qh, Kh, Vh, nullptr, scale, diagonal, plan, o,
-                                                   l);
+          if constexpr (std::is_same_v<Scalar, float>) {
+            if (m_opts.bf16) {
+              auto r = (diagonal ? bf16_causal : bf16_full).compute(Qh, Kh, Vh);
+              o = std::move(r.output);
+              l = std::move(r.lse);
+            }
+          }
+          if (!m_opts.bf16)
+            effattn::detail::tiled_attention<Scalar>(Qh, Kh, Vh, nullptr, scale, diagonal, plan, o,
+                                                     l);
           detail::merge_into<Scalar>(!initialized, std::move(o), l,
                                      res.output.block(row0 + c0, h * dv, cr, dv),
                                      res.lse.col(h).segment(row0 + c0, cr));
