@@ -7,6 +7,8 @@
 #include <effattn/multi_head.hpp>
 #include <effattn/workloads.hpp>
 
+#include <array>
+#include <limits>
 #include <random>
 #include <string>
 #include <vector>
@@ -124,19 +126,20 @@ TEMPLATE_TEST_CASE("MultiHead equals the per-head calls for every method", "[mul
         REQUIRE(rr.output.cols() == L.heads * dv);
         REQUIRE(rr.head_results.size() == (cu.size() - 1) * static_cast<std::size_t>(L.heads));
         // For the other methods, storage order changes nothing but the alignment of the per-head
-        // slices (a row-major
-        // slice is copied into an aligned buffer, a column-major one is a view at an arbitrary
-        // offset), which changes how Eigen splits its vectorised reductions: round-off only
-        // (WildCat float measured 2e-7 relative). The exact kernel reads both in place with
-        // the same arithmetic: bit-identical.
+        // slices (a row-major slice is copied into an aligned buffer, a column-major one is a
+        // view at an arbitrary offset), which changes how Eigen splits its vectorised
+        // reductions: round-off only (WildCat float measured 2e-7 relative). The exact kernel
+        // reads both in place (see below).
         const double order_err = rel_err<S>(Matrix<S>(rr.output), rc.output);
         INFO("row- vs column-major relative difference " << order_err);
         if constexpr (exact_tiled) {
           // Stacked (decoding) blocks of row-major K and V run the GEMM-free decoding kernel,
-          // column-major ones the GEMM kernel: round-off apart. Prefill blocks: bit-identical.
+          // column-major ones the GEMM kernel; prefill blocks of a row-major V accumulate
+          // acc^T += V_t^T P^T in a row-major accumulator (V read along its rows) where a
+          // column-major V gives acc += P V_t: another GEMM summation order. Round-off apart
+          // (measured 5e-8 to 7e-8 relative in float, under one epsilon); the column-major
+          // result is bit-identical to the per-head calls below.
           CHECK(order_err < 50 * std::numeric_limits<S>::epsilon());
-          CHECK(Matrix<S>(rr.output.middleRows(cu[3], cu[5] - cu[3])) ==
-                rc.output.middleRows(cu[3], cu[5] - cu[3]));
         } else
           CHECK(order_err < 1e3 * std::numeric_limits<S>::epsilon());
         const Matrix<S> ref = per_head_reference(mh.functor(), L, Qc, Kc, Vc, cu, cu);
@@ -370,4 +373,135 @@ TEMPLATE_TEST_CASE("MultiHead decoding from a preallocated cache (seqused_k)",
   throws({518, 65, 601});  // beyond the region
   throws({518, -1, 600});  // negative
   throws({518, 0, 600});   // a query without keys
+}
+
+namespace {
+
+/// Per-(sequence, head) forward and backward calls of F on column-major copies, dK and dV summed
+/// over each group's query heads in head order: the reference of MultiHead<F>::backward.
+template <typename F, typename S>
+std::array<Matrix<S>, 3> per_head_backward(const F& f, const HeadLayout& L, const Matrix<S>& Q,
+                                           const Matrix<S>& K, const Matrix<S>& V,
+                                           const Matrix<S>& dO, const SeqOffsets& cu) {
+  const Index H = L.heads, G = L.kv_heads, d = Q.cols() / H, dv = V.cols() / G;
+  std::array<Matrix<S>, 3> g = {Matrix<S>::Zero(Q.rows(), H * d), Matrix<S>::Zero(K.rows(), G * d),
+                                Matrix<S>::Zero(V.rows(), G * dv)};
+  detail::run_serial([&] {
+    for (std::size_t b = 0; b + 1 < cu.size(); ++b) {
+      const Index r0 = cu[b], n = cu[b + 1] - r0;
+      if (n == 0) continue;
+      for (Index h = 0; h < H; ++h) {
+        const Index kv = h / (H / G);
+        const Matrix<S> q = Q.block(r0, h * d, n, d), k = K.block(r0, kv * d, n, d),
+                        v = V.block(r0, kv * dv, n, dv), go = dO.block(r0, h * dv, n, dv);
+        const auto res = f.compute(q, k, v);
+        const auto gr = f.backward(q, k, v, res, go);
+        g[0].block(r0, h * d, n, d) = gr.dQ;
+        g[1].block(r0, kv * d, n, d) += gr.dK;
+        g[2].block(r0, kv * dv, n, dv) += gr.dV;
+      }
+    }
+  });
+  return g;
+}
+
+template <typename F>
+void check_backward_against_per_head(double tol) {
+  using S = typename F::Scalar;
+  const SeqOffsets cu = offsets_of({1, 7, 0, 40, 130});
+  const Index T = cu.back(), d = 8, dv = 6;
+  for (const HeadLayout L : {HeadLayout{4, 4}, HeadLayout{8, 2}, HeadLayout{4, 1}}) {
+    for (const bool causal : {false, true}) {
+      auto opts = test_options<F>(3);
+      if constexpr (functor_traits<F>::supports_causal && !functor_traits<F>::causal_only) {
+        opts.causal = causal;
+      } else if (!causal) {
+        continue;
+      }
+      const Packed<S> p(T, T, L.heads, L.kv_heads, d, dv, 41u + static_cast<unsigned>(L.heads));
+      const RowMat<S> dO = Packed<S>(T, T, L.heads, L.kv_heads, dv, dv, 7u).Q;
+      const MultiHead<F> mh(opts, L);
+      const auto fwd = mh.compute(p.Q, p.K, p.V, cu, cu);
+      REQUIRE(fwd.info == Info::Success);
+      const auto g = mh.backward(p.Q, p.K, p.V, fwd, dO, cu, cu);
+      STATIC_REQUIRE(decltype(g.dQ)::IsRowMajor);
+      const auto ref = per_head_backward(mh.functor(), L, Matrix<S>(p.Q), Matrix<S>(p.K),
+                                         Matrix<S>(p.V), Matrix<S>(dO), cu);
+      INFO(functor_traits<F>::name << " heads " << L.heads << " kv_heads " << L.kv_heads
+                                   << " causal " << causal);
+      CHECK(rel_err<S>(Matrix<S>(g.dQ), ref[0]) <= tol);
+      CHECK(rel_err<S>(Matrix<S>(g.dK), ref[1]) <= tol);
+      CHECK(rel_err<S>(Matrix<S>(g.dV), ref[2]) <= tol);
+      // The gradient is not trivially zero (the rows of the empty sequence are).
+      CHECK(ref[1].norm() > 0);
+    }
+  }
+}
+
+}  // namespace
+
+TEST_CASE("MultiHead backward equals per-head backward calls, GQA sums over the group",
+          "[multi_head][gradients]") {
+  // Naive and Conv-Basis run the per-head calls themselves: the same arithmetic.
+  check_backward_against_per_head<ExactAttention<double, policy::Naive>>(0.0);
+  check_backward_against_per_head<ConvBasisAttention<double>>(0.0);
+  // Tiled: the multi-head forward stacks heads of short sequences (round-off in O and lse).
+  check_backward_against_per_head<ExactAttention<double>>(1e-12);
+  check_backward_against_per_head<ExactAttention<float>>(2e-5);
+}
+
+TEST_CASE("MultiHead backward matches central finite differences (GQA, ragged, causal)",
+          "[multi_head][gradients]") {
+  // Loss L = sum(W o O) for a fixed W, so dL/dO = W; every input entry of a small GQA batch is
+  // perturbed by +-h. An independent oracle for the group sums and the packed layout.
+  const SeqOffsets cu = offsets_of({3, 5});
+  const Index H = 4, G = 2, d = 3, dv = 2, T = cu.back();
+  const Packed<double> p(T, T, H, G, d, dv, 5u);
+  const RowMat<double> W = Packed<double>(T, T, H, G, dv, dv, 9u).Q;
+  ExactOptions o;
+  o.causal = true;
+  const MultiHead<ExactAttention<double, policy::Naive>> mh(o, {H, G});
+  const auto fwd = mh.compute(p.Q, p.K, p.V, cu, cu);
+  const auto g = mh.backward(p.Q, p.K, p.V, fwd, W, cu, cu);
+  auto loss = [&](const RowMat<double>& Q, const RowMat<double>& K, const RowMat<double>& V) {
+    return mh.compute(Q, K, V, cu, cu).output.cwiseProduct(W).sum();
+  };
+  const double h = 1e-6;
+  auto fd = [&](int which, Index i, Index j) {
+    RowMat<double> X[3] = {p.Q, p.K, p.V};
+    X[which](i, j) += h;
+    const double up = loss(X[0], X[1], X[2]);
+    X[which](i, j) -= 2 * h;
+    return (up - loss(X[0], X[1], X[2])) / (2 * h);
+  };
+  double worst = 0;
+  const RowMat<double>* grads[3] = {&g.dQ, &g.dK, &g.dV};
+  for (int w = 0; w < 3; ++w)
+    for (Index i = 0; i < grads[w]->rows(); ++i)
+      for (Index j = 0; j < grads[w]->cols(); ++j)
+        worst = std::max(worst, std::abs(fd(w, i, j) - (*grads[w])(i, j)));
+  INFO("largest |finite difference - gradient| " << worst);
+  CHECK(worst < 1e-7);
+  CHECK(g.dK.norm() > 1e-2);
+}
+
+TEST_CASE("MultiHead backward rejects a foreign result and a bad dO", "[multi_head][errors]") {
+  const SeqOffsets cu = offsets_of({4, 6});
+  const Packed<double> p(10, 10, 4, 2, 3, 3, 2u);
+  const MultiHead<ExactAttention<double>> mh({}, {4, 2});
+  const auto fwd = mh.compute(p.Q, p.K, p.V, cu, cu);
+  const RowMat<double> dO = RowMat<double>::Ones(10, 12);
+  testing::require_invalid_argument(
+      [&] { (void)mh.backward(p.Q, p.K, p.V, fwd, RowMat<double>::Ones(10, 9), cu, cu); }, "dO");
+  RowMat<double> bad = dO;
+  bad(3, 4) = std::numeric_limits<double>::quiet_NaN();
+  testing::require_invalid_argument([&] { (void)mh.backward(p.Q, p.K, p.V, fwd, bad, cu, cu); },
+                                    "dO");
+  const MultiHead<ExactAttention<double>> other({}, {2, 2});
+  const Packed<double> p2(10, 10, 2, 2, 6, 6, 2u);
+  const auto fwd2 = other.compute(p2.Q, p2.K, p2.V, cu, cu);
+  testing::require_invalid_argument([&] { (void)mh.backward(p.Q, p.K, p.V, fwd2, dO, cu, cu); },
+                                    "result");
+  // The offsets of the forward call are needed (here: one sequence instead of two).
+  testing::require_invalid_argument([&] { (void)mh.backward(p.Q, p.K, p.V, fwd, dO); }, "result");
 }

@@ -67,6 +67,18 @@ struct MultiHeadResult {
   }
 };
 
+/// Gradients returned by `MultiHead<F>::backward`, in the packed layout of the inputs and in Q's
+/// storage order: dQ (T_q x heads d), dK (T_k x kv_heads d), dV (T_k x kv_heads dv). The key
+/// and value gradients of a key/value head are summed over the query heads that read it (GQA);
+/// rows of keys no query saw (`seqused_k`, sequences without queries) are zero.
+template <typename Scalar, int StorageOrder = Eigen::ColMajor>
+struct MultiHeadGradients {
+  using Packed = Eigen::Matrix<Scalar, Eigen::Dynamic, Eigen::Dynamic, StorageOrder>;
+  Packed dQ;  ///< T_q x (heads d), dL/dQ
+  Packed dK;  ///< T_k x (kv_heads d), dL/dK
+  Packed dV;  ///< T_k x (kv_heads dv), dL/dV
+};
+
 /// Per-(sequence, key/value head) caches of a method with a compressed KV cache (WildCat's
 /// `CompressedKV`), built by `MultiHead<WildcatAttention<S>>::compress_kv`.
 template <typename Cache>
@@ -171,6 +183,25 @@ class MultiHead {
       const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
       const Eigen::MatrixBase<DV>& V, const SeqOffsets& cu_seqlens_q = {},
       const SeqOffsets& cu_seqlens_k = {}, const std::vector<Index>& seqused_k = {}) const;
+
+  /// Gradients of a loss through `compute` (methods with a `backward`: exact attention, both
+  /// policies and TiledBf16, Conv-Basis, Performer): given the packed Q, K, V and offsets of the
+  /// forward call, its `result` and dO = dL/dO (T_q x heads dv, the output's shape), returns
+  /// dQ, dK, dV in the packed layout (see `MultiHeadGradients`). Each (sequence, query head)
+  /// runs F's own `backward` from its part of `result` (output slice and per-head Result: `lse`,
+  /// Conv-Basis offsets, ...); the dK, dV of a key/value head are the sums over its query heads,
+  /// added in head order. Tasks are (sequence, key/value head) pairs in parallel, each serial
+  /// inside, so results do not depend on the thread count. Cost: the per-head backwards (about
+  /// 2.5x the forward for exact Tiled), extra memory one (sequence, head)'s gradients per task.
+  /// 	hrows effattn::invalid_argument for inputs `compute` would reject, a `result` that is not
+  ///         a successful result of this layout and these shapes, or a dO of the wrong shape or
+  ///         with non-finite entries (the messages name the argument, sequence and head).
+  template <typename DQ, typename DK, typename DV, int ResultOrder, typename DO>
+  [[nodiscard]] MultiHeadGradients<Scalar, (DQ::IsRowMajor ? Eigen::RowMajor : Eigen::ColMajor)>
+  backward(const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
+           const Eigen::MatrixBase<DV>& V, const MultiHeadResult<F, ResultOrder>& result,
+           const Eigen::MatrixBase<DO>& dO, const SeqOffsets& cu_seqlens_q = {},
+           const SeqOffsets& cu_seqlens_k = {}, const std::vector<Index>& seqused_k = {}) const;
 
   /// WildCat only: compresses every (sequence, key/value head) of a packed K, V
   /// (`WildcatAttention::compress_kv` per head, in parallel). \returns the caches, index

@@ -7,6 +7,7 @@
 #include <cmath>
 #include <limits>
 #include <string>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -318,6 +319,21 @@ struct MhTask {
   }
 };
 
+/// Per-thread buffers of the multi-head kernel: the tile workspace; with a row-major V
+/// (`row_acc`), the accumulator in row-major storage (`accr`, in place of the tile workspace's
+/// column-major `acc`); for the decoding kernel (allocated only when a call has stacked blocks),
+/// the scaled queries in row-major storage, so that its dot products and rank-1 updates run along
+/// contiguous rows.
+template <typename Scalar>
+struct MhWorkspace : TileWorkspace<Scalar> {
+  RowMatrix<Scalar> qr;    ///< R x d scaled queries (decoding kernel)
+  RowMatrix<Scalar> accr;  ///< R x dv unnormalised output (row-major V)
+  MhWorkspace(Index bq, Index bk, Index d, Index dv, bool decode, bool row_acc)
+      : TileWorkspace<Scalar>(bq, bk, d, row_acc ? 0 : dv),
+        qr(decode ? bq : 0, decode ? d : 0),
+        accr(row_acc ? bq : 0, row_acc ? dv : 0) {}
+};
+
 /// Online-softmax pass of one block over key split `split` (see `online_softmax_block`, of which
 /// this is the multi-head form: stacked heads, K and V read through strided maps). K is read as
 /// K^T tiles: a row-major K's head slice transposed is a column-major map (no copy); a
@@ -326,12 +342,22 @@ struct MhTask {
 /// non-finite key, or an overflow).
 template <typename Scalar, bool KRowMajor, bool VRowMajor>
 bool mh_exact_pass(const MhExactProblem<Scalar>& P, const MhBlock& blk, Index split,
-                   TileWorkspace<Scalar>& ws) {
+                   MhWorkspace<Scalar>& ws) {
   const MultiHeadBatch& mb = *P.batch;
   const MhTask t(mb, P.group, P.causal, blk, split);
   const Index d = mb.d, dv = mb.dv, R = t.R;
   auto q = ws.q.topRows(R);
-  auto acc = ws.acc.topRows(R);
+  // With a row-major V the accumulator is row-major too: Eigen then runs acc^T += V_t^T P^T, whose
+  // packed operand V_t^T is read along V's contiguous rows; packing V_t itself as the right-hand
+  // side of P V_t reads four columns at a time across bk rows a page apart (measured: the packing
+  // was 7.5% of a GQA prefill, L = 512, and the store of a column-major accumulator into a
+  // row-major output another 4%).
+  auto acc = [&] {
+    if constexpr (VRowMajor)
+      return ws.accr.topRows(R);
+    else
+      return ws.acc.topRows(R);
+  }();
   t.load_queries(P.Q, P.scale, blk, d, q);
   begin_rows(ws, R);
   acc.setZero();
@@ -357,7 +383,7 @@ bool mh_exact_pass(const MhExactProblem<Scalar>& P, const MhBlock& blk, Index sp
     // makes the output non-finite (0 * inf is NaN), which `compute` checks.
     finite = finite && all_finite(S);
     const bool diagonal = P.causal && j0 + cols - 1 > t.i0 + t.off;
-    online_softmax_update<Scalar>(R, cols, diagonal, t.hider(blk, j0), ws);
+    online_softmax_update<Scalar>(R, cols, diagonal, t.hider(blk, j0), ws, acc);
     for (Index g = t.g_first; g <= t.g_last; ++g) {
       const auto [r0, nr] = t.group_rows(blk, P.group, g);
       const Scalar* vp = P.V.at(t.kb + j0, g * dv);
@@ -371,19 +397,6 @@ bool mh_exact_pass(const MhExactProblem<Scalar>& P, const MhBlock& blk, Index sp
   }
   return finite;
 }
-
-/// Per-thread buffers of the multi-head kernel: the tile workspace, and for the decoding kernel
-/// (allocated only when a call has stacked blocks) the scaled queries and the accumulator in
-/// row-major storage, so that its dot products and rank-1 updates run along contiguous rows.
-template <typename Scalar>
-struct MhWorkspace : TileWorkspace<Scalar> {
-  RowMatrix<Scalar> qr;    ///< R x d scaled queries (decoding kernel)
-  RowMatrix<Scalar> accr;  ///< R x dv unnormalised output (decoding kernel)
-  MhWorkspace(Index bq, Index bk, Index d, Index dv, bool decode)
-      : TileWorkspace<Scalar>(bq, bk, d, dv),
-        qr(decode ? bq : 0, decode ? d : 0),
-        accr(decode ? bq : 0, decode ? dv : 0) {}
-};
 
 /// The decoding form of `mh_exact_pass` for row-major K and V and few stacked query rows:
 /// the same online softmax without GEMMs, whose packing would copy every K and V tile to
@@ -400,7 +413,6 @@ bool mh_decode_pass(const MhExactProblem<Scalar>& P, const MhBlock& blk, Index s
   auto accr = ws.accr.topRows(R);
   t.load_queries(P.Q, P.scale, blk, d, qr);
   begin_rows(ws, R);
-  ws.acc.topRows(R).setZero();  // rescaled by online_softmax_update, unused here
   accr.setZero();
   // Software prefetch kPrefetch keys ahead, whole rows: a row of a row-major cache is often a
   // page (kv_heads d = 1024 floats), and the hardware prefetchers stop at page boundaries
@@ -428,8 +440,7 @@ bool mh_decode_pass(const MhExactProblem<Scalar>& P, const MhBlock& blk, Index s
     }
     finite = finite && all_finite(S);
     const bool diagonal = P.causal && j0 + cols - 1 > t.i0 + t.off;
-    online_softmax_update<Scalar>(R, cols, diagonal, t.hider(blk, j0), ws);
-    if (!(ws.alpha.head(R) == Scalar(1)).all()) accr.array().colwise() *= ws.alpha.head(R);
+    online_softmax_update<Scalar>(R, cols, diagonal, t.hider(blk, j0), ws, accr);
     // Rank-4 updates (four keys at a time): each accumulator row is loaded and stored once per
     // four keys.
     for (Index c = 0; c < cols; c += 4) {
@@ -453,7 +464,6 @@ bool mh_decode_pass(const MhExactProblem<Scalar>& P, const MhBlock& blk, Index s
       }
     }
   }
-  ws.acc.topRows(R) = accr;
   return finite;
 }
 
@@ -576,27 +586,41 @@ void multi_head_exact(const ExactOptions& opts, const HeadLayout& layout,
   P.bk = bk;
   P.scale = static_cast<Scalar>(resolve_scale(opts.scale, d));
   P.causal = opts.causal;
-  using Pass =
-      bool (*)(const MhExactProblem<Scalar>&, const MhBlock&, Index, TileWorkspace<Scalar>&);
+  using Pass = bool (*)(const MhExactProblem<Scalar>&, const MhBlock&, Index, MhWorkspace<Scalar>&);
   const Pass pass =
       K.row_major
           ? (V.row_major ? &mh_exact_pass<Scalar, true, true> : &mh_exact_pass<Scalar, true, false>)
           : (V.row_major ? &mh_exact_pass<Scalar, false, true>
                          : &mh_exact_pass<Scalar, false, false>);
 
-  // Writes rows [0, R) of a finished block (normalised output `o`, log-sum-exp `lse`).
+  // Writes rows [0, R) of a finished block (normalised output `o`, log-sum-exp `lse`) and records
+  // whether they are finite (checked here, in cache, rather than by a serial scan of the whole
+  // output afterwards) in head_ok[first[i] + s] for head s of block i. Each block is stored by
+  // exactly one task.
+  std::vector<std::size_t> first(static_cast<std::size_t>(nblocks) + 1, 0);
+  for (Index i = 0; i < nblocks; ++i)
+    first[static_cast<std::size_t>(i) + 1] =
+        first[static_cast<std::size_t>(i)] +
+        static_cast<std::size_t>(blocks[static_cast<std::size_t>(i)].nh);
+  std::vector<char> head_ok(first.back(), 1);
   auto store = [&](const MhBlock& blk, const auto& o, const auto& lse) {
     const Index q0 = mb.q[static_cast<std::size_t>(blk.seq)];
+    const std::size_t f = first[static_cast<std::size_t>(&blk - blocks.data())];
     for (Index s = 0; s < blk.nh; ++s) {
-      write_slice(out, q0 + blk.i0, (blk.h0 + s) * dv, o.middleRows(s * blk.rows, blk.rows));
+      const auto os = o.middleRows(s * blk.rows, blk.rows);
+      const auto ls = lse.segment(s * blk.rows, blk.rows);
+      const bool ok =
+          all_finite(ls) && (os.IsRowMajor ? all_finite(os.transpose()) : all_finite(os));
+      head_ok[f + static_cast<std::size_t>(s)] = ok ? 1 : 0;
+      write_slice(out, q0 + blk.i0, (blk.h0 + s) * dv, os);
       results[static_cast<std::size_t>(blk.seq * H + blk.h0 + s)].lse.segment(blk.i0, blk.rows) =
-          lse.segment(s * blk.rows, blk.rows);
+          ls;
     }
   };
   bool any_stacked = false;
   for (const MhBlock& blk : blocks) any_stacked = any_stacked || blk.stacked;
   const bool decode_kernel = any_stacked && K.row_major && V.row_major;
-  auto make_ws = [&] { return MhWorkspace<Scalar>(cap, bk, d, dv, decode_kernel); };
+  auto make_ws = [&] { return MhWorkspace<Scalar>(cap, bk, d, dv, decode_kernel, V.row_major); };
   std::vector<char> finite(static_cast<std::size_t>(tasks), 1);
   parallel_for(tasks, make_ws, [&](Index t, MhWorkspace<Scalar>& ws) {
     const MhBlock& blk = blocks[static_cast<std::size_t>(task_block[static_cast<std::size_t>(t)])];
@@ -605,15 +629,21 @@ void multi_head_exact(const ExactOptions& opts, const HeadLayout& layout,
         decode_kernel && blk.stacked ? mh_decode_pass(P, blk, split, ws) : pass(P, blk, split, ws);
     finite[static_cast<std::size_t>(t)] = ok ? 1 : 0;
     const Index R = blk.nh * blk.rows;
-    if (blk.splits == 1) {
-      finish_rows(ws, R, ws.acc.topRows(R), ws.acc.topRows(R), ws.shift.head(R));
-      store(blk, ws.acc.topRows(R), ws.shift.head(R).matrix());
-    } else {
-      MhSplitState<Scalar>& st = states[static_cast<std::size_t>(blk.part)];
-      st.m.col(split) = ws.m.head(R).matrix();
-      st.l.col(split) = ws.l.head(R).matrix();
-      st.acc[static_cast<std::size_t>(split)] = ws.acc.topRows(R);
-    }
+    auto finish = [&](auto acc) {
+      if (blk.splits == 1) {
+        finish_rows(ws, R, acc, acc, ws.shift.head(R));
+        store(blk, acc, ws.shift.head(R).matrix());
+      } else {
+        MhSplitState<Scalar>& st = states[static_cast<std::size_t>(blk.part)];
+        st.m.col(split) = ws.m.head(R).matrix();
+        st.l.col(split) = ws.l.head(R).matrix();
+        st.acc[static_cast<std::size_t>(split)] = acc;
+      }
+    };
+    if (V.row_major)
+      finish(ws.accr.topRows(R));
+    else
+      finish(ws.acc.topRows(R));
   });
   scores_finite = std::find(finite.begin(), finite.end(), 0) == finite.end();
   if (!states.empty()) {
@@ -631,6 +661,12 @@ void multi_head_exact(const ExactOptions& opts, const HeadLayout& layout,
           merge_split_states(st.m, st.l, st.acc, o, lse);
           store(blk, o, lse);
         });
+  }
+  for (Index i = 0; i < nblocks; ++i) {
+    const MhBlock& blk = blocks[static_cast<std::size_t>(i)];
+    for (Index s = 0; s < blk.nh; ++s)
+      if (!head_ok[first[static_cast<std::size_t>(i)] + static_cast<std::size_t>(s)])
+        results[static_cast<std::size_t>(blk.seq * H + blk.h0 + s)].info = Info::NumericalIssue;
   }
 }
 
@@ -691,23 +727,10 @@ MultiHeadResult<F, (DQ::IsRowMajor ? Eigen::RowMajor : Eigen::ColMajor)> MultiHe
     bool scores_finite = true;
     detail::multi_head_exact<Scalar>(o, m_layout, qv, kv, vv, ov, mb, r.head_results, r.tasks,
                                      scores_finite);
+    // Each block's rows were checked for finiteness in cache by the kernel.
     r.info = Info::Success;
-    for (Index b = 0; b < mb.batch() && r.info == Info::Success; ++b) {
-      const Index q0 = mb.q[static_cast<std::size_t>(b)];
-      const Index nq = mb.q[static_cast<std::size_t>(b + 1)] - q0;
-      if (nq == 0) continue;
-      for (Index h = 0; h < H; ++h) {
-        auto& hr = r.head_results[static_cast<std::size_t>(b * H + h)];
-        // Read in storage order (a row-major output's columns are strided).
-        const detail::PackedView<Scalar> cv{ov.data, ov.rows, ov.cols, ov.outer, ov.row_major};
-        const bool ok =
-            detail::slice_finite(cv, q0, nq, h * mb.dv, mb.dv) && detail::all_finite(hr.lse);
-        if (!ok) {
-          hr.info = Info::NumericalIssue;
-          r.info = Info::NumericalIssue;
-        }
-      }
-    }
+    for (const auto& hr : r.head_results)
+      if (hr.info != Info::Success) r.info = Info::NumericalIssue;
     // Non-finite scores or output: a non-finite key or value throws invalid_argument here
     // (the inputs are scanned only then); otherwise it was an overflow (info says so).
     if (!scores_finite || r.info != Info::Success) {
@@ -733,6 +756,107 @@ MultiHeadResult<F, (DQ::IsRowMajor ? Eigen::RowMajor : Eigen::ColMajor)> MultiHe
         });
   }
   return r;
+}
+
+namespace detail {
+/// Whether F has `backward(Q, K, V, result, dO)`.
+template <typename F, typename = void>
+struct has_backward : std::false_type {};
+template <typename F>
+struct has_backward<F, std::void_t<decltype(std::declval<const F&>().backward(
+                           std::declval<const ConstRef<typename F::Scalar>&>(),
+                           std::declval<const ConstRef<typename F::Scalar>&>(),
+                           std::declval<const ConstRef<typename F::Scalar>&>(),
+                           std::declval<const typename F::Result&>(),
+                           std::declval<const ConstRef<typename F::Scalar>&>()))>>
+    : std::true_type {};
+}  // namespace detail
+
+template <typename F>
+template <typename DQ, typename DK, typename DV, int ResultOrder, typename DO>
+MultiHeadGradients<typename F::Scalar, (DQ::IsRowMajor ? Eigen::RowMajor : Eigen::ColMajor)>
+MultiHead<F>::backward(const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
+                       const Eigen::MatrixBase<DV>& V,
+                       const MultiHeadResult<F, ResultOrder>& result,
+                       const Eigen::MatrixBase<DO>& dO, const SeqOffsets& cu_seqlens_q,
+                       const SeqOffsets& cu_seqlens_k, const std::vector<Index>& seqused_k) const {
+  static_assert(detail::has_backward<F>::value,
+                "effattn: MultiHead<F>::backward needs a functor with backward (exact attention, "
+                "Conv-Basis, Performer)");
+  constexpr int order = DQ::IsRowMajor ? Eigen::RowMajor : Eigen::ColMajor;
+  Matrix<Scalar> tq, tk, tv, to, tdo;
+  detail::RowMatrix<Scalar> rq, rk, rv, ro, rdo;
+  const detail::PackedView<Scalar> qv = detail::packed_view(Q, tq, rq);
+  const detail::PackedView<Scalar> kv = detail::packed_view(K, tk, rk);
+  const detail::PackedView<Scalar> vv = detail::packed_view(V, tv, rv);
+  const detail::MultiHeadBatch mb =
+      detail::check_multi_head(qv, kv, vv, m_layout, cu_seqlens_q, cu_seqlens_k, seqused_k);
+  const Index H = m_layout.heads, G = m_layout.kv_heads, group = H / G, B = mb.batch();
+  const Index d = mb.d, dv = mb.dv;
+  EFFATTN_CHECK(result.info == Info::Success,
+                detail::cat("MultiHead<", F::name,
+                            ">: backward needs the result of a successful forward call; got info ",
+                            static_cast<int>(result.info)));
+  EFFATTN_CHECK(
+      result.heads == H && result.kv_heads == G && result.batch == B &&
+          result.head_results.size() == static_cast<std::size_t>(B * H) &&
+          result.output.rows() == qv.rows && result.output.cols() == H * dv,
+      detail::cat("MultiHead<", F::name, ">: result must be the forward result of these inputs (",
+                  B, " sequences, ", H, " heads, ", G, " kv heads, output ", qv.rows, " x ", H * dv,
+                  "); got ", result.batch, " sequences, ", result.heads, " heads, ",
+                  result.kv_heads, " kv heads, output ", detail::shape(result.output)));
+  const detail::PackedView<Scalar> ov = detail::packed_view(result.output, to, ro);
+  const detail::PackedView<Scalar> dov = detail::packed_view(dO, tdo, rdo);
+  EFFATTN_CHECK(
+      dov.rows == qv.rows && dov.cols == H * dv,
+      detail::cat("MultiHead<", F::name, ">: dO must be T_q x heads dv = ", qv.rows, " x ", H * dv,
+                  " (the output's shape); got ", dov.rows, " x ", dov.cols));
+  detail::check_finite_view(dov, "dO");
+
+  MultiHeadGradients<Scalar, order> g;
+  g.dQ.setZero(qv.rows, H * d);
+  g.dK.setZero(kv.rows, G * d);
+  g.dV.setZero(vv.rows, G * dv);
+  auto view = [](auto& x) {
+    return detail::PackedView<Scalar, Scalar*>{x.data(), x.rows(), x.cols(),
+                                               order == Eigen::RowMajor ? x.cols() : x.rows(),
+                                               order == Eigen::RowMajor};
+  };
+  const auto dqv = view(g.dQ), dkv = view(g.dK), dvv = view(g.dV);
+  // Tasks (sequence, kv head): each owns its dK, dV slice and its query heads' dQ slices.
+  detail::parallel_for(
+      B * G, [] { return 0; },
+      [&](Index t, int&) {
+        const Index b = t / G, kvh = t % G;
+        const std::size_t i = static_cast<std::size_t>(b);
+        const Index q0 = mb.q[i], nq = mb.q[i + 1] - q0, k0 = mb.k[i], nk = mb.k_len[i];
+        if (nq == 0) return;
+        Matrix<Scalar> dk = Matrix<Scalar>::Zero(nk, d), dvs = Matrix<Scalar>::Zero(nk, dv);
+        for (Index h = kvh * group; h < (kvh + 1) * group; ++h) {
+          typename F::Result hr = result.head(b, h);
+          detail::with_slice_ref(ov, q0, nq, h * dv, dv,
+                                 [&](const ConstRef<Scalar>& o) { hr.output = o; });
+          try {
+            detail::with_slice_ref(qv, q0, nq, h * d, d, [&](const ConstRef<Scalar>& q) {
+              detail::with_slice_ref(kv, k0, nk, kvh * d, d, [&](const ConstRef<Scalar>& k) {
+                detail::with_slice_ref(vv, k0, nk, kvh * dv, dv, [&](const ConstRef<Scalar>& v) {
+                  detail::with_slice_ref(dov, q0, nq, h * dv, dv, [&](const ConstRef<Scalar>& go) {
+                    const auto gr = m_functor.backward(q, k, v, hr, go);
+                    detail::write_slice(dqv, q0, h * d, gr.dQ);
+                    dk += gr.dK;
+                    dvs += gr.dV;
+                  });
+                });
+              });
+            });
+          } catch (const ::effattn::invalid_argument& e) {
+            detail::rethrow_for_head(F::name, e.what(), b, h, "head");
+          }
+        }
+        detail::write_slice(dkv, k0, kvh * d, dk);
+        detail::write_slice(dvv, k0, kvh * dv, dvs);
+      });
+  return g;
 }
 
 template <typename F>
