@@ -90,6 +90,20 @@ def attention_backward(
 ) -> Tuple[npt.NDArray[np.floating], npt.NDArray[np.floating], npt.NDArray[np.floating]]:
     """(dq, dk, dv) of exact or conv_basis attention for one head, given grad_output."""
 
+def sdpa_backward(
+    q: ArrayLike,
+    k: ArrayLike,
+    v: ArrayLike,
+    grad_output: ArrayLike,
+    is_causal: bool = False,
+    method: str = "exact",
+    cu_seqlens_q: Optional[Offsets] = None,
+    cu_seqlens_k: Optional[Offsets] = None,
+    **options: Any,
+) -> Tuple[npt.NDArray[np.floating], npt.NDArray[np.floating], npt.NDArray[np.floating]]:
+    """(dq, dk, dv) of sdpa (exact or conv_basis) in q's, k's, v's shapes; GQA key / value
+    gradients summed over each group's query heads. Runs the forward first."""
+
 def compress_kv(k: ArrayLike, v: ArrayLike, q_radius: float = 0.0, **options: Any) -> CompressedKV:
     """WildCat CompressKV of one head (options as for method 'wildcat')."""
 

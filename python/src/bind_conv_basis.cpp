@@ -74,3 +74,18 @@ py::tuple backward_conv_basis(const Packed& p, Kwargs& kw, bool causal, const py
 
 }  // namespace python
 }  // namespace effattn
+
+namespace effattn {
+namespace python {
+
+py::tuple sdpa_backward_conv_basis(const Packed& p, Kwargs& kw, bool causal, const View& dO) {
+  check_causal<ConvBasisAttention<float>>(kw, causal);
+  const ConvBasisOptions o = conv_basis_options(kw);
+  return by_dtype(p.dtype, [&](auto tag) {
+    using S = typename decltype(tag)::type;
+    return run_packed_backward<ConvBasisAttention<S>>(p, o, dO, kw.function());
+  });
+}
+
+}  // namespace python
+}  // namespace effattn

@@ -125,3 +125,22 @@ py::tuple backward_exact(const Packed& p, Kwargs& kw, bool causal, const py::obj
 
 }  // namespace python
 }  // namespace effattn
+
+namespace effattn {
+namespace python {
+
+py::tuple sdpa_backward_exact(const Packed& p, Kwargs& kw, bool causal, const View& dO) {
+  std::string policy;
+  const ExactOptions o = exact_options(kw, causal, policy);
+  if (policy == "tiled_bf16")
+    throw py::value_error(kw.function() + ": no backward for policy 'tiled_bf16' from Python");
+  return by_dtype(p.dtype, [&](auto tag) {
+    using S = typename decltype(tag)::type;
+    if (policy == "naive")
+      return run_packed_backward<ExactAttention<S, policy::Naive>>(p, o, dO, kw.function());
+    return run_packed_backward<ExactAttention<S>>(p, o, dO, kw.function());
+  });
+}
+
+}  // namespace python
+}  // namespace effattn

@@ -70,6 +70,7 @@ struct Packed {
   SeqOffsets cu_q, cu_k;
   OutKind out = OutKind::Matrix;
   Index B = 1, H = 1, L = 0;  ///< user-level batch, query heads, query length (not varlen)
+  Index G = 1, S = 0;         ///< user-level key/value heads and key length (not varlen)
   SeqOffsets user_cu_q;       ///< varlen: the user's offsets (for lse as (H, T))
   bool per_head = false;      ///< sdpa: return per-(b, h) Results (non-exact methods)
   bool stacked = false;       ///< GQA heads stacked as rows (exact, non-causal)
@@ -394,6 +395,53 @@ py::tuple backward_exact(const Packed& p, Kwargs& kw, bool causal, const py::obj
                          const View& dO);
 py::tuple backward_conv_basis(const Packed& p, Kwargs& kw, bool causal, const py::object& result,
                               const View& dO);
+
+/// Gradients of sdpa (MultiHead<F>::compute then backward), in the inputs' shapes.
+py::tuple sdpa_backward_exact(const Packed& p, Kwargs& kw, bool causal, const View& dO);
+py::tuple sdpa_backward_conv_basis(const Packed& p, Kwargs& kw, bool causal, const View& dO);
+
+/// A packed gradient (rows x (heads width), row-major) shown in the layout of the input it
+/// belongs to: X heads and `len` rows per sequence (see OutKind).
+template <typename S>
+py::array shape_gradient(RowMatrix<S>&& g, const Packed& p, Index X, Index len) {
+  const Index rows = g.rows(), cols = g.cols(), w = X > 0 ? cols / X : 0;
+  switch (p.out) {
+    case OutKind::Contiguous:  // one sequence per (b, x) block (heads = 1 in MultiHead)
+      return own_view<S>(std::move(g), {p.B, X, len, cols}, {X * len * cols, len * cols, cols, 1});
+    case OutKind::Packed:
+      return own_view<S>(std::move(g), {p.B, X, len, w}, {len * X * w, w, X * w, 1});
+    case OutKind::Varlen:
+      return own_view<S>(std::move(g), {rows, X, w}, {X * w, w, 1});
+    case OutKind::Matrix:
+      break;
+  }
+  return own_view<S>(std::move(g), {rows, cols}, {cols, 1});
+}
+
+/// MultiHead<F>(o, p.layout): forward, then backward with dO; the gradients in the inputs' shapes.
+template <typename F>
+py::tuple run_packed_backward(const Packed& p, const typename F::Options& o, const View& dO,
+                              const std::string& fn) {
+  using S = typename F::Scalar;
+  const MultiHead<F> mh(o, p.layout);
+  const RowMap<S> Q = p.q.map<S>(), K = p.k.map<S>(), V = p.v.map<S>(), G = dO.map<S>();
+  MultiHeadGradients<S, Eigen::RowMajor> g;
+  Info info = Info::Success;
+  {
+    py::gil_scoped_release release;
+    const auto r = mh.compute(Q, K, V, p.cu_q, p.cu_k);
+    info = r.info;
+    if (info == Info::Success) g = mh.backward(Q, K, V, r, G, p.cu_q, p.cu_k);
+  }
+  if (info != Info::Success)
+    throw floating_point_error(fn + ": the forward pass failed numerically (info " +
+                               to_string(info) + ")");
+  const bool varlen = p.out == OutKind::Varlen;
+  const Index Hq = varlen ? p.layout.heads : p.H, Hk = varlen ? p.layout.kv_heads : p.G;
+  return py::make_tuple(shape_gradient<S>(std::move(g.dQ), p, Hq, p.L),
+                        shape_gradient<S>(std::move(g.dK), p, Hk, p.S),
+                        shape_gradient<S>(std::move(g.dV), p, Hk, p.S));
+}
 
 /// Registers CompressedKV, compress_kv and weighted_attention.
 void bind_wildcat_cache(py::module_& m);

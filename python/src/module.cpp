@@ -218,13 +218,13 @@ View view_4d(const py::array& a, Dtype d, bool packed, const char* name) {
   return v;
 }
 
-PyResult sdpa(const py::object& q, const py::object& k, const py::object& v, bool is_causal,
-              const std::string& method, const py::object& cu_seqlens_q,
-              const py::object& cu_seqlens_k, bool check, const py::kwargs& kwargs) {
-  const std::string fn = "effattn.sdpa";
-  const py::array qa = as_array(q, "q", fn), ka = as_array(k, "k", fn), va = as_array(v, "v", fn);
-  Kwargs kw(kwargs, method, fn);
-  const Runner run = find_method(method, fn);
+/// The packed problem of an sdpa call (layouts: see the comment below); `causal` may be dropped
+/// (exact, one query per sequence). `grad_output` (sdpa_backward) is brought into the output's
+/// layout, into `dO`.
+Packed pack_sdpa(const py::array& qa, const py::array& ka, const py::array& va, bool& causal,
+                 const std::string& method, const py::object& cu_seqlens_q,
+                 const py::object& cu_seqlens_k, const std::string& fn,
+                 const py::array* grad_output = nullptr, View* dO = nullptr) {
   for (const py::array* a : {&qa, &ka, &va})
     if (is_bf16_bits(*a))
       throw py::value_error(fn +
@@ -233,7 +233,6 @@ PyResult sdpa(const py::object& q, const py::object& k, const py::object& v, boo
   Packed p;
   p.dtype = pick_dtype({&qa, &ka, &va});
   p.per_head = method != "exact";
-  bool causal = is_causal;
   const bool varlen = !cu_seqlens_q.is_none() || !cu_seqlens_k.is_none();
   if (varlen) {
     if (cu_seqlens_q.is_none()) throw py::value_error(fn + ": cu_seqlens_k needs cu_seqlens_q");
@@ -261,6 +260,13 @@ PyResult sdpa(const py::object& q, const py::object& k, const py::object& v, boo
     p.q = view3(qa, "q");
     p.k = view3(ka, "k");
     p.v = view3(va, "v");
+    if (grad_output) {
+      if (grad_output->ndim() != 3 || grad_output->shape(0) != qa.shape(0) ||
+          grad_output->shape(1) != qa.shape(1) || grad_output->shape(2) != va.shape(2))
+        throw py::value_error(fn + ": grad_output must have the output's shape (T, H, dv); got " +
+                              shape_str(*grad_output));
+      *dO = view3(*grad_output, "grad_output");
+    }
     p.cu_q = offsets_from(cu_seqlens_q, "cu_seqlens_q", fn);
     if (!cu_seqlens_k.is_none()) p.cu_k = offsets_from(cu_seqlens_k, "cu_seqlens_k", fn);
     if (p.cu_q.empty() || p.cu_q.back() != p.q.rows || p.cu_q.front() != 0)
@@ -314,6 +320,16 @@ PyResult sdpa(const py::object& q, const py::object& k, const py::object& v, boo
     p.q = view_4d(qa, p.dtype, packed, "q");
     p.k = view_4d(ka, p.dtype, packed, "k");
     p.v = view_4d(va, p.dtype, packed, "v");
+    p.G = G;
+    p.S = S;
+    if (grad_output) {
+      if (grad_output->ndim() != 4 || grad_output->shape(0) != B || grad_output->shape(1) != H ||
+          grad_output->shape(2) != L || grad_output->shape(3) != va.shape(3))
+        throw py::value_error(fn +
+                              ": grad_output must have the output's shape (B, H, L, dv); got " +
+                              shape_str(*grad_output));
+      *dO = view_4d(*grad_output, p.dtype, packed, "grad_output");
+    }
     if (packed) {
       p.layout = {H, G};
       if (B > 1) {
@@ -330,9 +346,39 @@ PyResult sdpa(const py::object& q, const py::object& k, const py::object& v, boo
       p.out = OutKind::Contiguous;
     }
   }
+  return p;
+}
+
+PyResult sdpa(const py::object& q, const py::object& k, const py::object& v, bool is_causal,
+              const std::string& method, const py::object& cu_seqlens_q,
+              const py::object& cu_seqlens_k, bool check, const py::kwargs& kwargs) {
+  const std::string fn = "effattn.sdpa";
+  const py::array qa = as_array(q, "q", fn), ka = as_array(k, "k", fn), va = as_array(v, "v", fn);
+  Kwargs kw(kwargs, method, fn);
+  const Runner run = find_method(method, fn);
+  bool causal = is_causal;
+  const Packed p = pack_sdpa(qa, ka, va, causal, method, cu_seqlens_q, cu_seqlens_k, fn);
   PyResult r = run(p, kw, causal);
   check_info(r, check, fn);
   return r;
+}
+
+py::tuple sdpa_backward(const py::object& q, const py::object& k, const py::object& v,
+                        const py::object& grad_output, bool is_causal, const std::string& method,
+                        const py::object& cu_seqlens_q, const py::object& cu_seqlens_k,
+                        const py::kwargs& kwargs) {
+  const std::string fn = "effattn.sdpa_backward";
+  const py::array qa = as_array(q, "q", fn), ka = as_array(k, "k", fn), va = as_array(v, "v", fn),
+                  ga = as_array(grad_output, "grad_output", fn);
+  Kwargs kw(kwargs, method, fn);
+  if (method != "exact" && method != "conv_basis")
+    throw py::value_error(fn + ": gradients exist for method 'exact' and 'conv_basis'; got '" +
+                          method + "'");
+  bool causal = is_causal;
+  View dO;
+  const Packed p = pack_sdpa(qa, ka, va, causal, method, cu_seqlens_q, cu_seqlens_k, fn, &ga, &dO);
+  if (method == "exact") return sdpa_backward_exact(p, kw, causal, dO);
+  return sdpa_backward_conv_basis(p, kw, causal, dO);
 }
 
 py::tuple attention_backward(const py::object& q, const py::object& k, const py::object& v,
@@ -412,7 +458,7 @@ PYBIND11_MODULE(effattn, m) {
       "effattn: fast exact and approximate softmax attention on the CPU (C++17 / Eigen).\n\n"
       "attention(q, k, v, method, causal, **options)  one head, (L, d) arrays\n"
       "sdpa(q, k, v, is_causal, method, **options)   (B, H, L, d) arrays, GQA, varlen\n"
-      "attention_backward(...)                       gradients of exact / conv_basis\n"
+      "attention_backward(...), sdpa_backward(...)   gradients of exact / conv_basis\n"
       "compress_kv(k, v, ...), weighted_attention(q, cache, ...)   WildCat KV caches\n\n"
       "Methods: exact (policy tiled | naive | tiled_bf16), conv_basis, vcc, eva, performer,\n"
       "wildcat, kep_svgp. Options are the C++ Options fields, as keyword arguments.\n"
@@ -530,6 +576,17 @@ Otherwise the input is converted once (result.copies says which). causal is bott
 aligned per sequence (as flash-attention; the same as torch's is_causal when L == S).
 Results: output, info, diagnostics (batch, heads, kv_heads, tasks), lse (exact: (B, H, L), or
 (H, T) varlen) and heads (per-(b, h) Results of the other methods, index b * H + h).)doc");
+
+  m.def(
+      "sdpa_backward", &sdpa_backward, py::arg("q"), py::arg("k"), py::arg("v"),
+      py::arg("grad_output"), py::arg("is_causal") = false, py::arg("method") = "exact",
+      py::arg("cu_seqlens_q") = py::none(), py::arg("cu_seqlens_k") = py::none(),
+      R"doc(sdpa_backward(q, k, v, grad_output, is_causal=False, method="exact", cu_seqlens_q=None, cu_seqlens_k=None, **options) -> (dq, dk, dv)
+
+Gradients of a loss through sdpa(q, k, v, is_causal, method, ...) given grad_output (the
+output's shape): (dL/dq, dL/dk, dL/dv) with q's, k's and v's shapes (GQA: the key / value
+gradients summed over the query heads of a group). Runs the forward and MultiHead's backward in
+one call; method 'exact' (policies tiled, naive) or 'conv_basis'. Layouts as in sdpa.)doc");
 
   m.def(
       "attention_backward", &attention_backward, py::arg("q"), py::arg("k"), py::arg("v"),

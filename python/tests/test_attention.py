@@ -206,8 +206,8 @@ def test_gil_is_released():
 
 
 def test_docstrings():
-    for f in (effattn.attention, effattn.sdpa, effattn.attention_backward, effattn.compress_kv,
-              effattn.weighted_attention, effattn.workload):
+    for f in (effattn.attention, effattn.sdpa, effattn.attention_backward, effattn.sdpa_backward,
+              effattn.compress_kv, effattn.weighted_attention, effattn.workload):
         assert f.__doc__ and len(f.__doc__) > 100
     assert "kep_svgp" in effattn.attention.__doc__ and "GQA" in effattn.sdpa.__doc__
     assert effattn.methods == ("exact", "conv_basis", "vcc", "eva", "performer", "wildcat",

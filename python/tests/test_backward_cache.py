@@ -103,3 +103,56 @@ def test_wildcat_cache(rng):
         small.append(k2[:, :3], v2)
     with pytest.raises(ValueError, match="unknown option"):
         effattn.compress_kv(k, v, rnak=3)
+
+
+def loop_gradients(q, k, v, do, causal):
+    """Per-head NumPy gradients of (B, H, L, d) attention with GQA (dk, dv summed per group)."""
+    B, H = q.shape[:2]
+    G = k.shape[1]
+    dq, dk, dv = np.zeros(q.shape), np.zeros(k.shape), np.zeros(v.shape)
+    for b in range(B):
+        for h in range(H):
+            g = h // (H // G)
+            a, c, e = numpy_gradients(q[b, h], k[b, g], v[b, g], do[b, h], causal)
+            dq[b, h] += a
+            dk[b, g] += c
+            dv[b, g] += e
+    return dq, dk, dv
+
+
+@pytest.mark.parametrize("G", [4, 2])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("layout", ["bhld", "blhd_view"])
+def test_sdpa_backward_gqa(rng, G, causal, layout):
+    B, H, L, S, d, dv = 2, 4, 13, 21, 8, 6
+    shapes = [(B, H, L, d), (B, G, S, d), (B, G, S, dv), (B, H, L, dv)]
+    if layout == "bhld":
+        q, k, v, do = (rng.standard_normal(s) for s in shapes)
+    else:
+        q, k, v, do = (rng.standard_normal((s[0], s[2], s[1], s[3])).transpose(0, 2, 1, 3)
+                       for s in shapes)
+    grads = effattn.sdpa_backward(q, k, v, do, is_causal=causal)
+    ref = loop_gradients(q, k, v, do, causal)
+    for g, r, name in zip(grads, ref, "qkv"):
+        assert g.shape == r.shape and rel_err(g, r) < 1e-12, name
+
+
+def test_sdpa_backward_varlen_and_conv_basis(rng):
+    cu = [0, 9, 25]
+    H, G, d = 4, 2, 8
+    q = rng.standard_normal((25, H, d))
+    k, v = rng.standard_normal((25, G, d)), rng.standard_normal((25, G, d))
+    do = rng.standard_normal((25, H, d))
+    for method, opts in [("exact", {}), ("conv_basis", dict(num_bases=25, probe=1))]:
+        dq, dk, dv = effattn.sdpa_backward(q, k, v, do, is_causal=True, method=method,
+                                           cu_seqlens_q=cu, **opts)
+        assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape
+        for b in range(2):
+            s = slice(cu[b], cu[b + 1])
+            ref = loop_gradients(*(x[s].transpose(1, 0, 2)[None] for x in (q, k, v, do)), True)
+            for got, r in zip((dq, dk, dv), ref):
+                assert rel_err(got[s].transpose(1, 0, 2), r[0]) < 1e-9, method
+    with pytest.raises(ValueError, match="grad_output"):
+        effattn.sdpa_backward(q, k, v, do[:, :, :3], cu_seqlens_q=cu)
+    with pytest.raises(ValueError, match="gradients exist"):
+        effattn.sdpa_backward(q, k, v, do, method="wildcat", cu_seqlens_q=cu)
