@@ -22,3 +22,5 @@ effattn_ensure_packages() {
 
 EFFATTN_PACKAGES=(cmake g++ make pkg-config libeigen3-dev libfftw3-dev catch2 libbenchmark-dev
                   libopenmpi-dev openmpi-bin)
+# The Python module (EFFATTN_BUILD_PYTHON, presets python and ci-python) and its tests.
+EFFATTN_PYTHON_PACKAGES=(pybind11-dev python3-pybind11 python3-numpy python3-pytest)

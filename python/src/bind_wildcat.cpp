@@ -1,0 +1,207 @@
+// WildCat from Python: attention through MultiHead<WildcatAttention<S>>, and the compressed KV
+// cache (compress_kv, CompressedKV.append, weighted_attention) for one head.
+#include "common.hpp"
+
+namespace effattn {
+namespace python {
+
+namespace {
+
+WildcatOptions wildcat_options(Kwargs& kw, WildcatOptions o = {}) {
+  kw.get("scale", o.scale);
+  kw.get("rank", o.rank);
+  kw.get("bins", o.bins);
+  kw.get("seed", o.seed);
+  kw.get("clip", o.clip);
+  kw.get("rel_tol", o.rel_tol);
+  kw.get("q_radius", o.q_radius);
+  kw.get("temperature", o.temperature);
+  kw.get_enum("fallback", o.fallback,
+              {{"zero", wildcat::Fallback::Zero}, {"midpoint", wildcat::Fallback::Midpoint}});
+  kw.get("denominator_tol", o.denominator_tol);
+  kw.get("block_size", o.block_size);
+  kw.finish();
+  return o;
+}
+
+/// A WildCat compressed KV cache of one head (float32 or float64).
+struct PyCache {
+  std::shared_ptr<CompressedKV<float>> f;
+  std::shared_ptr<CompressedKV<double>> d;
+  WildcatOptions opts;
+
+  Dtype dtype() const { return f ? Dtype::F32 : Dtype::F64; }
+  template <typename Fn>
+  auto visit(Fn&& fn) const {
+    if (f) return fn(*f);
+    return fn(*d);
+  }
+};
+
+py::array copy_out(const Matrix<float>& m) {
+  return own_matrix(Matrix<float>(m));
+}
+py::array copy_out(const Matrix<double>& m) {
+  return own_matrix(Matrix<double>(m));
+}
+py::array copy_out(const Vector<float>& m) {
+  return own_matrix(Vector<float>(m));
+}
+py::array copy_out(const Vector<double>& m) {
+  return own_matrix(Vector<double>(m));
+}
+
+PyCache compress_kv(const py::object& k, const py::object& v, double q_radius,
+                    const py::kwargs& kwargs) {
+  const std::string fn = "effattn.compress_kv";
+  Kwargs kw(kwargs, "wildcat", fn);
+  const py::array ka = py::array::ensure(k), va = py::array::ensure(v);
+  if (!ka || !va) throw py::value_error(fn + ": k and v must be arrays");
+  const Dtype dt =
+      (ka.dtype().is(py::dtype::of<double>()) || va.dtype().is(py::dtype::of<double>()))
+          ? Dtype::F64
+          : Dtype::F32;
+  const View K = view_2d(ka, dt, "k", fn), V = view_2d(va, dt, "v", fn);
+  PyCache c;
+  c.opts = wildcat_options(kw);
+  auto run = [&](auto tag) {
+    using S = typename decltype(tag)::type;
+    const WildcatAttention<S> f(c.opts);
+    auto cache = std::make_shared<CompressedKV<S>>();
+    {
+      py::gil_scoped_release release;
+      // Row-major views become column-major Refs: K and V are copied once.
+      *cache = f.compress_kv(K.map<S>(), V.map<S>(), q_radius);
+    }
+    if constexpr (std::is_same_v<S, float>)
+      c.f = cache;
+    else
+      c.d = cache;
+  };
+  if (dt == Dtype::F32)
+    run(TypeTag<float>{});
+  else
+    run(TypeTag<double>{});
+  return c;
+}
+
+PyResult weighted_attention(const py::object& q, const PyCache& cache, bool check,
+                            const py::kwargs& kwargs) {
+  const std::string fn = "effattn.weighted_attention";
+  Kwargs kw(kwargs, "wildcat", fn);
+  const WildcatOptions o = wildcat_options(kw, cache.opts);
+  const py::array qa = py::array::ensure(q);
+  if (!qa) throw py::value_error(fn + ": q must be an array");
+  const View Q = view_2d(qa, cache.dtype(), "q", fn);
+  PyResult out = cache.visit([&](const auto& ckv) {
+    using S = typename std::decay_t<decltype(ckv.keys)>::Scalar;
+    const WildcatAttention<S> f(o);
+    WildcatResult<S> r;
+    PyResult res;
+    {
+      py::gil_scoped_release release;
+      const auto t0 = std::chrono::steady_clock::now();
+      r = f.weighted_attention(Q.map<S>(), ckv);
+      res.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    }
+    res.method = "wildcat";
+    res.info = to_string(r.info);
+    fill_diagnostics(r, res);
+    RowMatrix<S> o_row = r.output;
+    res.output = own_matrix(std::move(o_row));
+    fill_extras(r, res.extras);
+    return res;
+  });
+  check_info(out, check, fn);
+  return out;
+}
+
+}  // namespace
+
+PyResult run_wildcat(const Packed& p, Kwargs& kw, bool causal) {
+  check_causal<WildcatAttention<float>>(kw, causal);
+  const WildcatOptions o = wildcat_options(kw);
+  return by_dtype(p.dtype, [&](auto tag) {
+    using S = typename decltype(tag)::type;
+    return run_packed<WildcatAttention<S>>(p, o, "wildcat");
+  });
+}
+
+void bind_wildcat_cache(py::module_& m) {
+  py::class_<PyCache>(m, "CompressedKV",
+                      "A WildCat compressed KV cache of one head (compress_kv): r coreset keys "
+                      "with Nystrom-compressed values,\nplus an exact tail of appended tokens. "
+                      "Attend with weighted_attention(q, cache).")
+      .def_property_readonly(
+          "size", [](const PyCache& c) { return c.visit([](const auto& x) { return x.size(); }); },
+          "coreset rows (compressed rows plus tail)")
+      .def_property_readonly(
+          "tokens",
+          [](const PyCache& c) { return c.visit([](const auto& x) { return x.tokens; }); },
+          "tokens represented (compressed plus tail)")
+      .def_property_readonly(
+          "tail_size",
+          [](const PyCache& c) { return c.visit([](const auto& x) { return x.tail_size(); }); },
+          "rows of the exact appended tail")
+      .def_property_readonly("dtype",
+                             [](const PyCache& c) { return std::string(dtype_name(c.dtype())); })
+      .def_property_readonly(
+          "keys",
+          [](const PyCache& c) { return c.visit([](const auto& x) { return copy_out(x.keys); }); },
+          "(r, d) coreset keys (a copy)")
+      .def_property_readonly(
+          "values",
+          [](const PyCache& c) {
+            return c.visit([](const auto& x) { return copy_out(x.values); });
+          },
+          "(r, dv) compressed values, log-scaled (a copy)")
+      .def_property_readonly(
+          "weights",
+          [](const PyCache& c) {
+            return c.visit([](const auto& x) { return copy_out(x.weights); });
+          },
+          "(r,) compressed softmax weights, log-scaled (a copy)")
+      .def_property_readonly(
+          "pivots",
+          [](const PyCache& c) {
+            return c.visit([](const auto& x) { return index_array(x.pivots); });
+          },
+          "sequence position of the token behind each row")
+      .def(
+          "append",
+          [](PyCache& c, const py::object& k, const py::object& v) {
+            const std::string fn = "effattn.CompressedKV.append";
+            const py::array ka = py::array::ensure(k), va = py::array::ensure(v);
+            if (!ka || !va) throw py::value_error(fn + ": k and v must be arrays");
+            const View K = view_2d(ka, c.dtype(), "k", fn), V = view_2d(va, c.dtype(), "v", fn);
+            if (c.f)
+              c.f->append(K.map<float>(), V.map<float>());
+            else
+              c.d->append(K.map<double>(), V.map<double>());
+          },
+          py::arg("k"), py::arg("v"),
+          "Appends newly decoded tokens (k: (t, d), v: (t, dv)) exactly (weight 1).")
+      .def("__repr__", [](const PyCache& c) {
+        return "effattn.CompressedKV(size=" +
+               std::to_string(c.visit([](const auto& x) { return x.size(); })) +
+               ", tokens=" + std::to_string(c.visit([](const auto& x) { return x.tokens; })) +
+               ", dtype=" + dtype_name(c.dtype()) + ")";
+      });
+
+  m.def("compress_kv", &compress_kv, py::arg("k"), py::arg("v"), py::arg("q_radius") = 0.0,
+        R"doc(compress_kv(k, v, q_radius=0.0, **options) -> CompressedKV
+
+WildCat's CompressKV for one head: k (m, d), v (m, dv) -> a coreset cache of `rank` rows
+(options as for attention(method="wildcat"): rank, bins, seed, scale, ...). q_radius bounds the
+norms of the queries that will attend (0: each bin's key radius). The options are stored with
+the cache and used by weighted_attention unless overridden there (scale must match).)doc");
+  m.def("weighted_attention", &weighted_attention, py::arg("q"), py::arg("cache"),
+        py::arg("check") = true,
+        R"doc(weighted_attention(q, cache, check=True, **options) -> Result
+
+Attention of q (n, d) over a CompressedKV (WildCat's WtdAttn with clipping): output (n, dv),
+error_bound, pivots and the other WildCat diagnostics.)doc");
+}
+
+}  // namespace python
+}  // namespace effattn
