@@ -20,7 +20,9 @@ effattn_ensure_packages() {
     { $sudo apt-get update && $sudo apt-get install -y --no-install-recommends "${missing[@]}"; }
 }
 
-EFFATTN_PACKAGES=(cmake g++ make pkg-config libeigen3-dev libfftw3-dev catch2 libbenchmark-dev
-                  libopenmpi-dev openmpi-bin)
+EFFATTN_PACKAGES=(cmake g++ make pkg-config libeigen3-dev libfftw3-dev catch2 libbenchmark-dev)
+# OpenMPI for effattn::mpi and its tests (test_mpi under mpirun; .ci/run installs it, the demo
+# does not need it).
+EFFATTN_MPI_PACKAGES=(libopenmpi-dev openmpi-bin)
 # The Python module (EFFATTN_BUILD_PYTHON, presets python and ci-python) and its tests.
 EFFATTN_PYTHON_PACKAGES=(pybind11-dev python3-pybind11 python3-numpy python3-pytest)
