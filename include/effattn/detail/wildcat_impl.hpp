@@ -64,6 +64,10 @@ inline void check_wildcat_options(const WildcatOptions& o, const char* who) {
                 cat(who, ": Options::block_size must be >= 0 (0 = automatic); got ", o.block_size));
   EFFATTN_CHECK(is_one_of(o.fallback, {wildcat::Fallback::Zero, wildcat::Fallback::Midpoint}),
                 cat(who, ": Options::fallback is not a valid enumerator"));
+  EFFATTN_CHECK(std::isfinite(o.target_error) && o.target_error >= 0,
+                cat(who, ": Options::target_error must be finite and >= 0; got ", o.target_error));
+  EFFATTN_CHECK(o.error_sample_rows >= 1,
+                cat(who, ": Options::error_sample_rows must be >= 1; got ", o.error_sample_rows));
 }
 
 template <typename Scalar>
@@ -116,8 +120,7 @@ void wildcat_compress_bin(const Matrix<double>& Kc, const ConstRef<Scalar>& V, I
                           std::uint64_t seed, const RowVector<double>& shift,
                           WildcatBinOut<Scalar>& out) {
   const Index d = Kc.cols(), dv = V.cols();
-  const auto Kb = Kc.middleRows(k0, mb);
-  const Matrix<double> Kbd = Kb;
+  const auto Kbd = Kc.middleRows(k0, mb);  // a view: the kernel copies what it needs
   WildcatBlock& blk = out.block;
   blk.tokens = mb;
   blk.first_token = k0;
@@ -160,8 +163,8 @@ void wildcat_compress_bin(const Matrix<double>& Kc, const ConstRef<Scalar>& V, I
   // so nothing overflows whatever the logit range. Only these products are needed, so W itself
   // is never formed: A^{-1} (F [diag(e) V | e]), one (k x m)(m x (dv + 1)) GEMM and a
   // back-substitution instead of the O(k^2 m) solve for W.
-  const LogScaledProduct<double> nys =
-      exp_dot_log_scaled_product(kern, rpc, V.middleRows(k0, mb).template cast<double>());
+  const LogScaledProduct<double> nys = detail::exp_dot_log_scaled_product_of(
+      kern, rpc, V.middleRows(k0, mb).template cast<double>(), "compress_kv");
   out.values = nys.product.leftCols(dv).template cast<Scalar>();
   out.weights = nys.product.col(dv).template cast<Scalar>();
   out.log_scale = nys.log_scale.template cast<Scalar>();
@@ -232,7 +235,9 @@ bool wildcat_compress_all(const ConstRef<Scalar>& K, const ConstRef<Scalar>& V, 
                           CompressedKV<Scalar>& ckv) {
   const Index m = K.rows(), d = K.cols(), dv = V.cols();
   const RowVector<double> kbar = K.template cast<double>().colwise().mean();
-  const Matrix<double> Kc = K.template cast<double>().rowwise() - kbar;
+  Matrix<double> Kc(m, d);
+  advise_huge_pages(Kc);
+  Kc = K.template cast<double>().rowwise() - kbar;
   ckv = CompressedKV<Scalar>();
   ckv.keys.resize(0, d);
   ckv.values.resize(0, dv);
@@ -407,6 +412,89 @@ void wildcat_attend(const ConstRef<Scalar>& Q, const CompressedKV<Scalar>& ckv, 
   res.info = all_finite(res.output) ? Info::Success : Info::NumericalIssue;
 }
 
+/// `s` distinct query rows in [0, n), increasing, drawn uniformly (partial Fisher-Yates on the
+/// stream derive_seed(seed, 0x7a26e7)).
+inline std::vector<Index> wildcat_sample_rows(Index n, Index s, std::uint64_t seed) {
+  std::vector<Index> all(static_cast<std::size_t>(n));
+  for (Index i = 0; i < n; ++i) all[static_cast<std::size_t>(i)] = i;
+  Rng rng = make_rng(seed, 0x7a26e7ULL);
+  for (Index i = 0; i < s; ++i) {
+    const auto j =
+        i + std::min(n - i - 1, static_cast<Index>(uniform01(rng) * static_cast<double>(n - i)));
+    std::swap(all[static_cast<std::size_t>(i)], all[static_cast<std::size_t>(j)]);
+  }
+  all.resize(static_cast<std::size_t>(s));
+  std::sort(all.begin(), all.end());
+  return all;
+}
+
+/// Exact softmax attention of the rows Qs (s x d) over K, V in Scalar (max-shifted, one GEMM of
+/// K against 16 queries at a time, chunks in parallel with serial GEMMs: the same bits for any
+/// thread count). O(s m (d + dv)).
+template <typename Scalar>
+Matrix<double> wildcat_exact_rows(const Matrix<Scalar>& Qs, const ConstRef<Scalar>& K,
+                                  const ConstRef<Scalar>& V, double beta) {
+  const Index s = Qs.rows(), m = K.rows(), dv = V.cols();
+  constexpr Index kChunk = 16;
+  Matrix<double> out(s, dv);
+  parallel_for((s + kChunk - 1) / kChunk, [&] { return Matrix<Scalar>(m, kChunk); },
+               [&](Index t, Matrix<Scalar>& Z) {
+                 const Index i0 = t * kChunk, c = std::min(kChunk, s - i0);
+                 auto Zc = Z.leftCols(c);
+                 Zc.noalias() = K * (Qs.middleRows(i0, c).transpose() * static_cast<Scalar>(beta));
+                 for (Index j = 0; j < c; ++j) {
+                   const Scalar mx = Zc.col(j).maxCoeff();
+                   Zc.col(j) = (Zc.col(j).array() - mx).exp();
+                 }
+                 const Matrix<Scalar> num = V.transpose() * Zc;  // dv x c
+                 for (Index j = 0; j < c; ++j)
+                   out.row(i0 + j) = (num.col(j).template cast<double>() /
+                                      static_cast<double>(Zc.col(j).template cast<double>().sum()))
+                                         .transpose();
+               });
+  return out;
+}
+
+/// WildCat with an error target (Options::target_error > 0; see there): compress with a
+/// residual-trace tolerance, estimate the relative Frobenius error on sampled query rows against
+/// their exact attention, tighten and recompress until the estimate meets the target (or the
+/// budget / round limit is reached), then attend with every query. Returns false on a failed
+/// compression.
+template <typename Rule, typename Scalar>
+bool wildcat_compute_targeted(const ConstRef<Scalar>& Q, const ConstRef<Scalar>& K,
+                              const ConstRef<Scalar>& V, double beta, double rq,
+                              const WildcatOptions& o, CompressedKV<Scalar>& ckv,
+                              WildcatResult<Scalar>& res) {
+  const Index n = Q.rows();
+  const Index s = std::min(n, o.error_sample_rows);
+  const std::vector<Index> rows = wildcat_sample_rows(n, s, o.seed);
+  Matrix<Scalar> Qs(s, Q.cols());
+  for (Index i = 0; i < s; ++i) Qs.row(i) = Q.row(rows[static_cast<std::size_t>(i)]);
+  const Matrix<double> exact = wildcat_exact_rows<Scalar>(Qs, K, V, beta);
+  const double ref = std::max(exact.norm(), std::numeric_limits<double>::min());
+  constexpr int kMaxRounds = 4;
+  WildcatOptions oi = o;
+  oi.rel_tol = o.rel_tol > 0 ? o.rel_tol : std::clamp(o.target_error, 1e-15, 0.5);
+  const Index per_bin = wildcat_bins(K.rows(), o.bins, o.rank).per_bin;
+  Index last_rank = -1;
+  for (int round = 1; round <= kMaxRounds; ++round) {
+    if (!wildcat_compress_all<Rule, Scalar>(K, V, beta, rq, oi, false, ckv)) return false;
+    bool capped = true;  // every bin used its whole budget (or is kept exactly)
+    for (const WildcatBlock& b : ckv.blocks) capped = capped && (b.exact || b.rows >= per_bin);
+    WildcatResult<Scalar> probe;
+    wildcat_attend<Scalar>(ConstRef<Scalar>(Qs), ckv, beta, oi, probe);
+    const double est = (probe.output.template cast<double>() - exact).norm() / ref;
+    res.estimated_error = std::isfinite(est) ? est : std::numeric_limits<double>::infinity();
+    res.target_rel_tol = oi.rel_tol;
+    res.target_rounds = round;
+    if (res.estimated_error <= o.target_error || capped || ckv.size() == last_rank) break;
+    last_rank = ckv.size();
+    const double ratio = o.target_error / res.estimated_error;
+    oi.rel_tol *= std::clamp(0.5 * ratio * ratio, 1e-4, 0.5);
+  }
+  return true;
+}
+
 }  // namespace detail
 
 // ---- CompressedKV ----
@@ -452,7 +540,11 @@ WildcatResult<Scalar_> WildcatAttention<Scalar_, PivotRule>::compute(const Ref& 
                         : std::sqrt(Q.template cast<double>().rowwise().squaredNorm().maxCoeff());
   CompressedKV<Scalar> ckv;
   Result res;
-  if (!detail::wildcat_compress_all<PivotRule, Scalar>(K, V, beta, rq, m_opts, false, ckv)) {
+  const bool ok =
+      m_opts.target_error > 0
+          ? detail::wildcat_compute_targeted<PivotRule, Scalar>(Q, K, V, beta, rq, m_opts, ckv, res)
+          : detail::wildcat_compress_all<PivotRule, Scalar>(K, V, beta, rq, m_opts, false, ckv);
+  if (!ok) {
     // NaN, not zeros: a zero row is finite and outside V's range, so it could pass for a result
     // (found by fuzz_wildcat; regression test "WildCat reports a failed compression as NaN").
     res.output =
