@@ -9,6 +9,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <optional>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -141,22 +142,46 @@ void wildcat_compress_bin(const Matrix<double>& Kc, const ConstRef<Scalar>& V, I
   }
   blk.exact = false;
   blk.tau2 = o.temperature ? wildcat::temperature_squared(beta, rq, blk.key_radius, mb) : 1.0;
-  // h_tau(x, y) = exp(beta <x, y> / tau^2) on the centred keys, in Gaussian coordinates.
-  const ExpDotKernel<double, double> kern(Kbd, beta / blk.tau2);
   RpCholeskyOptions ro;
   ro.rank = per_bin;
   ro.rel_tol = o.rel_tol;
   ro.seed = seed;
   ro.block_size = o.block_size;
-  RpCholeskyResult<double> rpc = RpCholesky<Rule>(ro).compute(kern);
-  const Index k = rpc.rank();
-  out.ok = rpc.info == Info::Success && k >= 1;
   // tr(H_tau - Hhat_tau) = exp(max sq) * (weighted residual trace of G). Residuals the
   // factorisation zeroed as round-off (<= 100 eps each, weights <= 1) are added back, so the
   // logged trace bounds the true one.
   const double zeroed =
       ro.roundoff_factor * std::numeric_limits<double>::epsilon() * static_cast<double>(mb);
-  blk.log_residual_trace = kern.log_trace_scale() + std::log(rpc.residual_trace.back() + zeroed);
+  auto log_trace = [&](const ExpDotKernel<double, double>& k, const RpCholeskyResult<double>& f) {
+    return k.log_trace_scale() + std::log(f.residual_trace.back() + zeroed);
+  };
+  // h_tau(x, y) = exp(beta <x, y> / tau^2) on the centred keys, in Gaussian coordinates.
+  std::optional<ExpDotKernel<double, double>> kern(std::in_place, Kbd, beta / blk.tau2);
+  RpCholeskyResult<double> rpc = RpCholesky<Rule>(ro).compute(*kern);
+  if (o.fit_temperature && rq > 0 && rpc.info == Info::Success) {
+    // Data-driven temperature: among tau^2 in {t12, t12 / 2, t12 / 4, t12 / 8, 1} (t12 = the
+    // choice above), the one whose Lemma 2 bound on this bin's squared row error,
+    // e^{beta tau^2 R_Q^2} tr(H_tau - Hhat_tau), is smallest at the bin's rank (the residual
+    // trace alone always prefers larger tau: H_tau tends to rank one).
+    double best = beta * blk.tau2 * rq * rq + log_trace(*kern, rpc);
+    const double t12 = blk.tau2;
+    for (const double t2 : {t12 / 2, t12 / 4, t12 / 8, 1.0}) {
+      if (!(t2 > 0) || t2 == t12) continue;
+      std::optional<ExpDotKernel<double, double>> k2(std::in_place, Kbd, beta / t2);
+      RpCholeskyResult<double> f2 = RpCholesky<Rule>(ro).compute(*k2);
+      if (f2.info != Info::Success || f2.rank() < 1) continue;
+      const double obj = beta * t2 * rq * rq + log_trace(*k2, f2);
+      if (obj < best) {
+        best = obj;
+        blk.tau2 = t2;
+        kern.swap(k2);
+        rpc = std::move(f2);
+      }
+    }
+  }
+  const Index k = rpc.rank();
+  out.ok = rpc.info == Info::Success && k >= 1;
+  blk.log_residual_trace = log_trace(*kern, rpc);
   if (!out.ok) return;
   // Nystrom weights of h_tau (numerics/nystrom.hpp) in log-scaled form, applied to [V | 1]:
   // rows Wt [V | 1] with Wt(i, l) = W_G(i, l) exp(hs_l - c) and log-scales ell_i = c - hs_{s_i},
@@ -164,7 +189,7 @@ void wildcat_compress_bin(const Matrix<double>& Kc, const ConstRef<Scalar>& V, I
   // is never formed: A^{-1} (F [diag(e) V | e]), one (k x m)(m x (dv + 1)) GEMM and a
   // back-substitution instead of the O(k^2 m) solve for W.
   const LogScaledProduct<double> nys = detail::exp_dot_log_scaled_product_of(
-      kern, rpc, V.middleRows(k0, mb).template cast<double>(), "compress_kv");
+      *kern, rpc, V.middleRows(k0, mb).template cast<double>(), "compress_kv");
   out.values = nys.product.leftCols(dv).template cast<Scalar>();
   out.weights = nys.product.col(dv).template cast<Scalar>();
   out.log_scale = nys.log_scale.template cast<Scalar>();
