@@ -7,12 +7,14 @@
 //                                                       {1,2,4,16}
 //         shape/<biggan|t2t1|t2t2>/<exact|wildcat>     synthetic analogues of the paper's
 //                                                       BigGAN and T2T-ViT attention shapes
+//         wildcat-target/float/d64/r1024/t<target>/<n>  Options::target_error (rank cap 1024)
 //         wildcat/smoke/...                             (tiny, for ctest)
 // d = dv = 64, float, every thread (OMP_NUM_THREADS); timing on the sphere workload. Counters:
 //   err_sphere, err_clustered: relative Frobenius error of 256 sampled rows (the first 256)
 //       against the double Naive reference, on the sphere (scale R^2 = 1) and clustered
 //       (16 centres, noise 0.1) workloads of the same n; computed once per
 //       configuration outside the timed loop;
+//   est_error (target families): the sampled-row estimate the method reported;
 //   vs_exact: time / time of exact/tiled at the same n measured earlier in this run (< 0.1 means
 //       >= 10x faster); rank: coreset rows used; GFLOP/s: dense-equivalent 2 n m (d + dv).
 // After the run a summary prints the ratios and the log-log slope of time against n per family.
@@ -107,6 +109,7 @@ void bm_wildcat(benchmark::State& state, Shape sh, WildcatOptions o, const std::
   state.counters["err_sphere"] = smp.err_s;
   state.counters["err_clustered"] = smp.err_c;
   state.counters["rank"] = static_cast<double>(r.rank);
+  if (o.target_error > 0) state.counters["est_error"] = r.estimated_error;
   const auto ex = results().find(exact_family);
   if (ex != results().end() && ex->second.count(sh.m) && ex->second.at(sh.m).seconds > 0)
     state.counters["vs_exact"] = sec / ex->second.at(sh.m).seconds;
@@ -157,6 +160,20 @@ void register_all() {
         ->Arg(16384)
         ->Unit(benchmark::kMillisecond)
         ->UseRealTime();
+  }
+  // Error targets (Options::target_error): rank cap 1024, B = 1; the rank chosen, the sampled
+  // estimate (est_error) and the measured errors show what the target buys.
+  for (const double target : {3e-2, 1e-2}) {
+    char tag[16];
+    std::snprintf(tag, sizeof tag, "t%.0e", target);
+    const std::string fam = std::string("wildcat-target/float/d64/r1024/") + tag;
+    WildcatOptions o = opts(1024, 1);
+    o.target_error = target;
+    auto* b = benchmark::RegisterBenchmark(fam.c_str(), [=](benchmark::State& s) {
+      bm_wildcat(s, {s.range(0), s.range(0), kD}, o, fam, ex);
+    });
+    for (const Index n : {Index(4096), Index(16384)}) b->Arg(n);
+    b->Unit(benchmark::kMillisecond)->UseRealTime();
   }
   // Analogues of the paper's BigGAN and T2T-ViT shapes (synthetic tensors; the ratio is what
   // transfers).

@@ -292,7 +292,7 @@ void rp_run_accelerated(const Kernel& kernel, RpWork<S>& st, Rng& rng, Index blo
     ++st.blocks;
 
     // Residual block H = K(c, c) - F(:, c)^T F(:, c), lower triangle (a GEMM-shaped update).
-    if (H.rows() < b) H.resize(b, b);
+    if (H.rows() < b) H.resize(b, b), advise_huge_pages(H);
     auto Hb = H.topLeftCorner(b, b);
     rp_principal_submatrix<Kernel, S>(kernel, cand, Hb);
     Fc.resize(k0, b);
@@ -375,6 +375,19 @@ void rp_run_accelerated(const Kernel& kernel, RpWork<S>& st, Rng& rng, Index blo
 template <typename S>
 class GaussianCore {
  public:
+  /// The points f x_l of X (m x d) without a scaled copy of X: m_z = (f X - mean)^T written
+  /// directly; `sq` receives the squared norms of the uncentred scaled points f x_l.
+  template <typename In>
+  void init_scaled(const ConstRef<In>& X, double f, Vector<double>& sq) {
+    const auto Xs = X.template cast<double>() * f;
+    const RowVector<double> mean = Xs.colwise().mean();
+    sq = Xs.rowwise().squaredNorm();
+    m_z.resize(X.cols(), X.rows());
+    advise_huge_pages(m_z);
+    m_z = (Xs.rowwise() - mean).transpose().template cast<S>();
+    m_half_sq = (0.5 * m_z.template cast<double>().colwise().squaredNorm()).template cast<S>();
+  }
+
   /// `Xs`: the m x d points already multiplied by f, in double.
   void init(const Matrix<double>& Xs) {
     const RowVector<double> mean = Xs.colwise().mean();
@@ -475,6 +488,7 @@ RpCholeskyResult<detail::kernel_scalar_t<Kernel>> RpCholesky<PivotRule>::compute
                           static_cast<double>(st.res.maxCoeff()));
   st.res = (st.res.array() > st.tol).select(st.res, S(0));
   st.F.resize(st.r, st.m);
+  detail::advise_huge_pages(st.F);
   st.initial_trace = st.weighted_trace();
   st.trace.push_back(st.initial_trace);
 
@@ -511,12 +525,11 @@ ExpDotKernel<InScalar, SelectionScalar>::ExpDotKernel(const ConstRef<InputScalar
   detail::check_kernel_points(X, "ExpDotKernel");
   EFFATTN_CHECK(std::isfinite(scale) && scale > 0,
                 detail::cat("ExpDotKernel: scale must be finite and > 0; got ", scale));
-  const Matrix<double> Xs = X.template cast<double>() * std::sqrt(scale);
-  const Vector<double> sq = Xs.rowwise().squaredNorm();
+  Vector<double> sq;
+  m_core.init_scaled(X, std::sqrt(scale), sq);
   m_log_scale = sq.maxCoeff();
   m_half_sq = (0.5 * sq).template cast<Scalar>();
   m_weights = (sq.array() - m_log_scale).exp().matrix().template cast<Scalar>();
-  m_core.init(Xs);
 }
 
 template <typename InScalar, typename SelectionScalar>

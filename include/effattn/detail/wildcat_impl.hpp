@@ -9,6 +9,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <optional>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -64,6 +65,10 @@ inline void check_wildcat_options(const WildcatOptions& o, const char* who) {
                 cat(who, ": Options::block_size must be >= 0 (0 = automatic); got ", o.block_size));
   EFFATTN_CHECK(is_one_of(o.fallback, {wildcat::Fallback::Zero, wildcat::Fallback::Midpoint}),
                 cat(who, ": Options::fallback is not a valid enumerator"));
+  EFFATTN_CHECK(std::isfinite(o.target_error) && o.target_error >= 0,
+                cat(who, ": Options::target_error must be finite and >= 0; got ", o.target_error));
+  EFFATTN_CHECK(o.error_sample_rows >= 1,
+                cat(who, ": Options::error_sample_rows must be >= 1; got ", o.error_sample_rows));
 }
 
 template <typename Scalar>
@@ -116,8 +121,7 @@ void wildcat_compress_bin(const Matrix<double>& Kc, const ConstRef<Scalar>& V, I
                           std::uint64_t seed, const RowVector<double>& shift,
                           WildcatBinOut<Scalar>& out) {
   const Index d = Kc.cols(), dv = V.cols();
-  const auto Kb = Kc.middleRows(k0, mb);
-  const Matrix<double> Kbd = Kb;
+  const auto Kbd = Kc.middleRows(k0, mb);  // a view: the kernel copies what it needs
   WildcatBlock& blk = out.block;
   blk.tokens = mb;
   blk.first_token = k0;
@@ -138,30 +142,54 @@ void wildcat_compress_bin(const Matrix<double>& Kc, const ConstRef<Scalar>& V, I
   }
   blk.exact = false;
   blk.tau2 = o.temperature ? wildcat::temperature_squared(beta, rq, blk.key_radius, mb) : 1.0;
-  // h_tau(x, y) = exp(beta <x, y> / tau^2) on the centred keys, in Gaussian coordinates.
-  const ExpDotKernel<double, double> kern(Kbd, beta / blk.tau2);
   RpCholeskyOptions ro;
   ro.rank = per_bin;
   ro.rel_tol = o.rel_tol;
   ro.seed = seed;
   ro.block_size = o.block_size;
-  RpCholeskyResult<double> rpc = RpCholesky<Rule>(ro).compute(kern);
-  const Index k = rpc.rank();
-  out.ok = rpc.info == Info::Success && k >= 1;
   // tr(H_tau - Hhat_tau) = exp(max sq) * (weighted residual trace of G). Residuals the
   // factorisation zeroed as round-off (<= 100 eps each, weights <= 1) are added back, so the
   // logged trace bounds the true one.
   const double zeroed =
       ro.roundoff_factor * std::numeric_limits<double>::epsilon() * static_cast<double>(mb);
-  blk.log_residual_trace = kern.log_trace_scale() + std::log(rpc.residual_trace.back() + zeroed);
+  auto log_trace = [&](const ExpDotKernel<double, double>& k, const RpCholeskyResult<double>& f) {
+    return k.log_trace_scale() + std::log(f.residual_trace.back() + zeroed);
+  };
+  // h_tau(x, y) = exp(beta <x, y> / tau^2) on the centred keys, in Gaussian coordinates.
+  std::optional<ExpDotKernel<double, double>> kern(std::in_place, Kbd, beta / blk.tau2);
+  RpCholeskyResult<double> rpc = RpCholesky<Rule>(ro).compute(*kern);
+  if (o.fit_temperature && rq > 0 && rpc.info == Info::Success) {
+    // Data-driven temperature: among tau^2 in {t12, t12 / 2, t12 / 4, t12 / 8, 1} (t12 = the
+    // choice above), the one whose Lemma 2 bound on this bin's squared row error,
+    // e^{beta tau^2 R_Q^2} tr(H_tau - Hhat_tau), is smallest at the bin's rank (the residual
+    // trace alone always prefers larger tau: H_tau tends to rank one).
+    double best = beta * blk.tau2 * rq * rq + log_trace(*kern, rpc);
+    const double t12 = blk.tau2;
+    for (const double t2 : {t12 / 2, t12 / 4, t12 / 8, 1.0}) {
+      if (!(t2 > 0) || t2 == t12) continue;
+      std::optional<ExpDotKernel<double, double>> k2(std::in_place, Kbd, beta / t2);
+      RpCholeskyResult<double> f2 = RpCholesky<Rule>(ro).compute(*k2);
+      if (f2.info != Info::Success || f2.rank() < 1) continue;
+      const double obj = beta * t2 * rq * rq + log_trace(*k2, f2);
+      if (obj < best) {
+        best = obj;
+        blk.tau2 = t2;
+        kern.swap(k2);
+        rpc = std::move(f2);
+      }
+    }
+  }
+  const Index k = rpc.rank();
+  out.ok = rpc.info == Info::Success && k >= 1;
+  blk.log_residual_trace = log_trace(*kern, rpc);
   if (!out.ok) return;
   // Nystrom weights of h_tau (numerics/nystrom.hpp) in log-scaled form, applied to [V | 1]:
   // rows Wt [V | 1] with Wt(i, l) = W_G(i, l) exp(hs_l - c) and log-scales ell_i = c - hs_{s_i},
   // so nothing overflows whatever the logit range. Only these products are needed, so W itself
   // is never formed: A^{-1} (F [diag(e) V | e]), one (k x m)(m x (dv + 1)) GEMM and a
   // back-substitution instead of the O(k^2 m) solve for W.
-  const LogScaledProduct<double> nys =
-      exp_dot_log_scaled_product(kern, rpc, V.middleRows(k0, mb).template cast<double>());
+  const LogScaledProduct<double> nys = detail::exp_dot_log_scaled_product_of(
+      *kern, rpc, V.middleRows(k0, mb).template cast<double>(), "compress_kv");
   out.values = nys.product.leftCols(dv).template cast<Scalar>();
   out.weights = nys.product.col(dv).template cast<Scalar>();
   out.log_scale = nys.log_scale.template cast<Scalar>();
@@ -232,7 +260,9 @@ bool wildcat_compress_all(const ConstRef<Scalar>& K, const ConstRef<Scalar>& V, 
                           CompressedKV<Scalar>& ckv) {
   const Index m = K.rows(), d = K.cols(), dv = V.cols();
   const RowVector<double> kbar = K.template cast<double>().colwise().mean();
-  const Matrix<double> Kc = K.template cast<double>().rowwise() - kbar;
+  Matrix<double> Kc(m, d);
+  advise_huge_pages(Kc);
+  Kc = K.template cast<double>().rowwise() - kbar;
   ckv = CompressedKV<Scalar>();
   ckv.keys.resize(0, d);
   ckv.values.resize(0, dv);
@@ -407,6 +437,89 @@ void wildcat_attend(const ConstRef<Scalar>& Q, const CompressedKV<Scalar>& ckv, 
   res.info = all_finite(res.output) ? Info::Success : Info::NumericalIssue;
 }
 
+/// `s` distinct query rows in [0, n), increasing, drawn uniformly (partial Fisher-Yates on the
+/// stream derive_seed(seed, 0x7a26e7)).
+inline std::vector<Index> wildcat_sample_rows(Index n, Index s, std::uint64_t seed) {
+  std::vector<Index> all(static_cast<std::size_t>(n));
+  for (Index i = 0; i < n; ++i) all[static_cast<std::size_t>(i)] = i;
+  Rng rng = make_rng(seed, 0x7a26e7ULL);
+  for (Index i = 0; i < s; ++i) {
+    const auto j =
+        i + std::min(n - i - 1, static_cast<Index>(uniform01(rng) * static_cast<double>(n - i)));
+    std::swap(all[static_cast<std::size_t>(i)], all[static_cast<std::size_t>(j)]);
+  }
+  all.resize(static_cast<std::size_t>(s));
+  std::sort(all.begin(), all.end());
+  return all;
+}
+
+/// Exact softmax attention of the rows Qs (s x d) over K, V in Scalar (max-shifted, one GEMM of
+/// K against 16 queries at a time, chunks in parallel with serial GEMMs: the same bits for any
+/// thread count). O(s m (d + dv)).
+template <typename Scalar>
+Matrix<double> wildcat_exact_rows(const Matrix<Scalar>& Qs, const ConstRef<Scalar>& K,
+                                  const ConstRef<Scalar>& V, double beta) {
+  const Index s = Qs.rows(), m = K.rows(), dv = V.cols();
+  constexpr Index kChunk = 16;
+  Matrix<double> out(s, dv);
+  parallel_for((s + kChunk - 1) / kChunk, [&] { return Matrix<Scalar>(m, kChunk); },
+               [&](Index t, Matrix<Scalar>& Z) {
+                 const Index i0 = t * kChunk, c = std::min(kChunk, s - i0);
+                 auto Zc = Z.leftCols(c);
+                 Zc.noalias() = K * (Qs.middleRows(i0, c).transpose() * static_cast<Scalar>(beta));
+                 for (Index j = 0; j < c; ++j) {
+                   const Scalar mx = Zc.col(j).maxCoeff();
+                   Zc.col(j) = (Zc.col(j).array() - mx).exp();
+                 }
+                 const Matrix<Scalar> num = V.transpose() * Zc;  // dv x c
+                 for (Index j = 0; j < c; ++j)
+                   out.row(i0 + j) = (num.col(j).template cast<double>() /
+                                      static_cast<double>(Zc.col(j).template cast<double>().sum()))
+                                         .transpose();
+               });
+  return out;
+}
+
+/// WildCat with an error target (Options::target_error > 0; see there): compress with a
+/// residual-trace tolerance, estimate the relative Frobenius error on sampled query rows against
+/// their exact attention, tighten and recompress until the estimate meets the target (or the
+/// budget / round limit is reached), then attend with every query. Returns false on a failed
+/// compression.
+template <typename Rule, typename Scalar>
+bool wildcat_compute_targeted(const ConstRef<Scalar>& Q, const ConstRef<Scalar>& K,
+                              const ConstRef<Scalar>& V, double beta, double rq,
+                              const WildcatOptions& o, CompressedKV<Scalar>& ckv,
+                              WildcatResult<Scalar>& res) {
+  const Index n = Q.rows();
+  const Index s = std::min(n, o.error_sample_rows);
+  const std::vector<Index> rows = wildcat_sample_rows(n, s, o.seed);
+  Matrix<Scalar> Qs(s, Q.cols());
+  for (Index i = 0; i < s; ++i) Qs.row(i) = Q.row(rows[static_cast<std::size_t>(i)]);
+  const Matrix<double> exact = wildcat_exact_rows<Scalar>(Qs, K, V, beta);
+  const double ref = std::max(exact.norm(), std::numeric_limits<double>::min());
+  constexpr int kMaxRounds = 4;
+  WildcatOptions oi = o;
+  oi.rel_tol = o.rel_tol > 0 ? o.rel_tol : std::clamp(o.target_error, 1e-15, 0.5);
+  const Index per_bin = wildcat_bins(K.rows(), o.bins, o.rank).per_bin;
+  Index last_rank = -1;
+  for (int round = 1; round <= kMaxRounds; ++round) {
+    if (!wildcat_compress_all<Rule, Scalar>(K, V, beta, rq, oi, false, ckv)) return false;
+    bool capped = true;  // every bin used its whole budget (or is kept exactly)
+    for (const WildcatBlock& b : ckv.blocks) capped = capped && (b.exact || b.rows >= per_bin);
+    WildcatResult<Scalar> probe;
+    wildcat_attend<Scalar>(ConstRef<Scalar>(Qs), ckv, beta, oi, probe);
+    const double est = (probe.output.template cast<double>() - exact).norm() / ref;
+    res.estimated_error = std::isfinite(est) ? est : std::numeric_limits<double>::infinity();
+    res.target_rel_tol = oi.rel_tol;
+    res.target_rounds = round;
+    if (res.estimated_error <= o.target_error || capped || ckv.size() == last_rank) break;
+    last_rank = ckv.size();
+    const double ratio = o.target_error / res.estimated_error;
+    oi.rel_tol *= std::clamp(0.5 * ratio * ratio, 1e-4, 0.5);
+  }
+  return true;
+}
+
 }  // namespace detail
 
 // ---- CompressedKV ----
@@ -452,7 +565,11 @@ WildcatResult<Scalar_> WildcatAttention<Scalar_, PivotRule>::compute(const Ref& 
                         : std::sqrt(Q.template cast<double>().rowwise().squaredNorm().maxCoeff());
   CompressedKV<Scalar> ckv;
   Result res;
-  if (!detail::wildcat_compress_all<PivotRule, Scalar>(K, V, beta, rq, m_opts, false, ckv)) {
+  const bool ok =
+      m_opts.target_error > 0
+          ? detail::wildcat_compute_targeted<PivotRule, Scalar>(Q, K, V, beta, rq, m_opts, ckv, res)
+          : detail::wildcat_compress_all<PivotRule, Scalar>(K, V, beta, rq, m_opts, false, ckv);
+  if (!ok) {
     // NaN, not zeros: a zero row is finite and outside V's range, so it could pass for a result
     // (found by fuzz_wildcat; regression test "WildCat reports a failed compression as NaN").
     res.output =

@@ -280,25 +280,37 @@ template <typename InScalar, typename Scalar>
 /// W B, and the softmax weights W 1.
 /// \throws effattn::invalid_argument if `rpc` does not come from `kernel` (factor shape, pivot
 ///         range) or B has not m rows.
+namespace detail {
+/// `exp_dot_log_scaled_product` for any dense expression B (e.g. a cast of float values: [diag(e)
+/// B | e] is then formed in one pass, without a double copy of B first).
+template <typename InScalar, typename Scalar, typename DB>
+LogScaledProduct<Scalar> exp_dot_log_scaled_product_of(const ExpDotKernel<InScalar, Scalar>& kernel,
+                                                       const RpCholeskyResult<Scalar>& rpc,
+                                                       const Eigen::MatrixBase<DB>& B,
+                                                       const char* who) {
+  const Index m = kernel.size(), c = B.cols();
+  EFFATTN_CHECK(rpc.factor.cols() == m && B.rows() == m,
+                cat(who, ": need a factor and B with m = ", m, " columns / rows; got factor ",
+                    shape(rpc.factor), ", B ", shape(B)));
+  const Vector<Scalar>& hs = kernel.half_sq_norms();
+  const Scalar top = hs.maxCoeff();
+  Matrix<Scalar> Be(m, c + 1);  // [diag(e) B | e]
+  advise_huge_pages(Be);
+  Be.col(c) = (hs.array() - top).exp().matrix();
+  Be.leftCols(c) = Be.col(c).asDiagonal() * B;
+  LogScaledProduct<Scalar> out;
+  out.product = nystrom_apply_to(rpc, Be, who);
+  out.log_scale = exp_dot_log_scales(hs, top, rpc.pivots, who);
+  out.info = all_finite(out.product) ? Info::Success : Info::NumericalIssue;
+  return out;
+}
+}  // namespace detail
+
 template <typename InScalar, typename Scalar>
 [[nodiscard]] LogScaledProduct<Scalar> exp_dot_log_scaled_product(
     const ExpDotKernel<InScalar, Scalar>& kernel, const RpCholeskyResult<Scalar>& rpc,
     const ConstRef<detail::non_deduced_t<Scalar>>& B) {
-  const Index m = kernel.size(), c = B.cols();
-  EFFATTN_CHECK(rpc.factor.cols() == m && B.rows() == m,
-                detail::cat("exp_dot_log_scaled_product: need a factor and B with m = ", m,
-                            " columns / rows; got factor ", detail::shape(rpc.factor), ", B ",
-                            detail::shape(B)));
-  const Vector<Scalar>& hs = kernel.half_sq_norms();
-  const Scalar top = hs.maxCoeff();
-  Matrix<Scalar> Be(m, c + 1);  // [diag(e) B | e]
-  Be.col(c) = (hs.array() - top).exp().matrix();
-  Be.leftCols(c) = Be.col(c).asDiagonal() * B;
-  LogScaledProduct<Scalar> out;
-  out.product = detail::nystrom_apply_to(rpc, Be, "exp_dot_log_scaled_product");
-  out.log_scale = detail::exp_dot_log_scales(hs, top, rpc.pivots, "exp_dot_log_scaled_product");
-  out.info = detail::all_finite(out.product) ? Info::Success : Info::NumericalIssue;
-  return out;
+  return detail::exp_dot_log_scaled_product_of(kernel, rpc, B, "exp_dot_log_scaled_product");
 }
 
 }  // namespace effattn
