@@ -20,6 +20,9 @@ WildcatOptions wildcat_options(Kwargs& kw, WildcatOptions o = {}) {
               {{"zero", wildcat::Fallback::Zero}, {"midpoint", wildcat::Fallback::Midpoint}});
   kw.get("denominator_tol", o.denominator_tol);
   kw.get("block_size", o.block_size);
+  kw.get("fit_temperature", o.fit_temperature);
+  kw.get("target_error", o.target_error);
+  kw.get("error_sample_rows", o.error_sample_rows);
   kw.finish();
   return o;
 }

@@ -541,7 +541,8 @@ method:  'exact'       options: scale, block_q, block_k, policy ('tiled' | 'naiv
          'eva'         window, chunk_size, samples, seed, mass, proposal, partition
          'performer'   samples, seed
          'wildcat'     rank, bins, seed, clip, rel_tol, q_radius, temperature, fallback,
-                       denominator_tol, block_size
+                       denominator_tol, block_size, target_error, error_sample_rows,
+                       fit_temperature
          'kep_svgp'    rank, oversample, power_iters, rank_rtol, cov, prior, rbranch,
                        block_rows, seed
          every method: scale (0 = 1/sqrt(d)).
