@@ -73,6 +73,7 @@ struct MultiHeadResult {
 /// rows of keys no query saw (`seqused_k`, sequences without queries) are zero.
 template <typename Scalar, int StorageOrder = Eigen::ColMajor>
 struct MultiHeadGradients {
+  /// A packed gradient, in Q's storage order.
   using Packed = Eigen::Matrix<Scalar, Eigen::Dynamic, Eigen::Dynamic, StorageOrder>;
   Packed dQ;  ///< T_q x (heads d), dL/dQ
   Packed dK;  ///< T_k x (kv_heads d), dL/dK

@@ -184,8 +184,10 @@ struct WildcatResult : AttentionResult<Scalar> {
   /// the exact attention of the sampled query rows (-1 when no target was set).
   double estimated_error = -1;
   /// With Options::target_error > 0: the residual-trace tolerance (rel_tol) of the last round
-  /// and the number of compression rounds used (0 when no target was set).
+  /// (0 when no target was set).
   double target_rel_tol = 0;
+  /// With Options::target_error > 0: the number of compression rounds used (0 when no target
+  /// was set).
   Index target_rounds = 0;
 
   /// rank, bins, exact_bins (bins kept exactly), fallback_rows, error_bound; with a target also

@@ -270,16 +270,6 @@ template <typename InScalar, typename Scalar>
   return out;
 }
 
-/// \brief The log-scaled exp-dot Nystrom weights of an RPCholesky run on `kernel` applied to
-/// [B | 1], without forming them: `product` = Wt [B | 1] with Wt as in `LogScaledWeights`, so
-/// that W_H B = diag(e^{log_scale}) Wt B and W_H 1 = diag(e^{log_scale}) Wt 1.
-///
-/// Formed as A^{-1} (F [diag(e) B | e]) with e_l = e^{hs_l - c} in (0, 1]: `nystrom_apply` on the
-/// rescaled values, one (k x m)(m x (c + 1)) GEMM and a k x (c + 1) back-substitution, O(k m c +
-/// k^2 c), nothing overflows. This is WildCat's compression of a bin: keys -> pivots, values B ->
-/// W B, and the softmax weights W 1.
-/// \throws effattn::invalid_argument if `rpc` does not come from `kernel` (factor shape, pivot
-///         range) or B has not m rows.
 namespace detail {
 /// `exp_dot_log_scaled_product` for any dense expression B (e.g. a cast of float values: [diag(e)
 /// B | e] is then formed in one pass, without a double copy of B first).
@@ -306,6 +296,16 @@ LogScaledProduct<Scalar> exp_dot_log_scaled_product_of(const ExpDotKernel<InScal
 }
 }  // namespace detail
 
+/// \brief The log-scaled exp-dot Nystrom weights of an RPCholesky run on `kernel` applied to
+/// [B | 1], without forming them: `product` = Wt [B | 1] with Wt as in `LogScaledWeights`, so
+/// that W_H B = diag(e^{log_scale}) Wt B and W_H 1 = diag(e^{log_scale}) Wt 1.
+///
+/// Formed as A^{-1} (F [diag(e) B | e]) with e_l = e^{hs_l - c} in (0, 1]: `nystrom_apply` on the
+/// rescaled values, one (k x m)(m x (c + 1)) GEMM and a k x (c + 1) back-substitution, O(k m c +
+/// k^2 c), nothing overflows. This is WildCat's compression of a bin: keys -> pivots, values B ->
+/// W B, and the softmax weights W 1.
+/// \throws effattn::invalid_argument if `rpc` does not come from `kernel` (factor shape, pivot
+///         range) or B has not m rows.
 template <typename InScalar, typename Scalar>
 [[nodiscard]] LogScaledProduct<Scalar> exp_dot_log_scaled_product(
     const ExpDotKernel<InScalar, Scalar>& kernel, const RpCholeskyResult<Scalar>& rpc,
