@@ -18,15 +18,7 @@ using effattn::testing::with_threads;
 
 namespace {
 
-template <typename Scalar>
-Matrix<Scalar> gaussian(Index rows, Index cols, std::uint64_t seed, double sigma = 1.0) {
-  std::mt19937_64 gen(seed);
-  std::normal_distribution<double> nd(0.0, sigma);
-  Matrix<Scalar> M(rows, cols);
-  for (Index j = 0; j < cols; ++j)
-    for (Index i = 0; i < rows; ++i) M(i, j) = static_cast<Scalar>(nd(gen));
-  return M;
-}
+using testing::gaussian;
 
 /// The inputs of one gradient check: Q (n x d), K (m x d), V (m x dv), an optional key bias and
 /// the upstream gradient G = dL/dO of the loss L = sum(G o O).

@@ -40,15 +40,7 @@ double max_over_ranks(double x) {
   return x;
 }
 
-template <typename S>
-Matrix<S> gaussian(Index rows, Index cols, std::uint64_t seed, double sd = 1.0) {
-  std::mt19937_64 g(seed);
-  std::normal_distribution<double> nd(0.0, sd);
-  Matrix<S> x(rows, cols);
-  for (Index j = 0; j < cols; ++j)
-    for (Index i = 0; i < rows; ++i) x(i, j) = static_cast<S>(nd(g));
-  return x;
-}
+using testing::gaussian;
 
 template <typename S>
 Matrix<S> take_rows(const Matrix<S>& x, const std::vector<Index>& pos) {

@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <random>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -21,6 +22,18 @@
 
 namespace effattn {
 namespace testing {
+
+/// rows x cols matrix of independent N(0, sd^2) entries from std::mt19937_64(seed), drawn column
+/// by column (the same values for the same arguments on every platform's libstdc++).
+template <typename Scalar>
+Matrix<Scalar> gaussian(Index rows, Index cols, std::uint64_t seed, double sd = 1.0) {
+  std::mt19937_64 gen(seed);
+  std::normal_distribution<double> nd(0.0, sd);
+  Matrix<Scalar> x(rows, cols);
+  for (Index j = 0; j < cols; ++j)
+    for (Index i = 0; i < rows; ++i) x(i, j) = static_cast<Scalar>(nd(gen));
+  return x;
+}
 
 /// Runs `call()` and checks that it throws `effattn::invalid_argument` whose message contains
 /// `needle` (the argument or position the message must name).
