@@ -15,6 +15,13 @@
 #include <effattn/exact.hpp>
 #include <effattn/workloads.hpp>
 
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <stdexcept>
+
+#include "../examples/lm/lm_workload.hpp"
+
 #if defined(_OPENMP)
 #include <omp.h>
 #endif
@@ -23,15 +30,44 @@ namespace effattn {
 namespace bench {
 
 /// A workload cached by (kind, n, m, d, dv): large inputs are generated once per process.
+///
+/// Real heads: with the environment variable EFFATTN_BENCH_WORKLOAD=lm:MODEL:LAYER:HEAD (see
+/// examples/lm/lm_workload.hpp) every benchmark gets the Q, K, V of that head of a trained model
+/// on held-out text instead of the synthetic generator: the model runs on max(n, m) bytes of
+/// held-out window `seed - 1`; Q is the last n positions' queries, K and V the first m positions'
+/// keys and values. Shapes with d or dv other than the models' head dimension (64) keep the
+/// synthetic generator, with a message on stderr.
 template <typename Scalar>
 const workloads::Workload<Scalar>& cached_workload(workloads::Kind kind, Index n, Index m, Index d,
                                                    Index dv, std::uint64_t seed = 1) {
   using Key = std::tuple<int, Index, Index, Index, Index, std::uint64_t>;
   static std::map<Key, std::unique_ptr<workloads::Workload<Scalar>>> cache;
   auto& slot = cache[Key(static_cast<int>(kind), n, m, d, dv, seed)];
-  if (!slot)
+  if (slot) return *slot;
+  lm::WorkloadSpec spec;
+  const char* env = std::getenv("EFFATTN_BENCH_WORKLOAD");
+  if (env && *env && lm::parse_workload(env, spec) && d == 64 && dv == 64) {
+    // max(n, m) tokens of held-out window seed - 1; the queries are the last n positions (so a
+    // causal n < m problem is the end of the sequence, as in decoding), the keys the first m.
+    const Index L = std::max(n, m);
+    const auto h = lm::real_head<Scalar>(spec, L, static_cast<Index>(seed) - 1);
+    if (h.Q.cols() != d)
+      throw std::invalid_argument(std::string("EFFATTN_BENCH_WORKLOAD=") + env +
+                                  ": the model's head dimension is not 64");
+    slot = std::make_unique<workloads::Workload<Scalar>>();
+    slot->Q = h.Q.bottomRows(n);
+    slot->K = h.K.topRows(m);
+    slot->V = h.V.topRows(m);
+    slot->kind = kind;
+  } else {
+    if (env && *env)
+      std::fprintf(stderr,
+                   "EFFATTN_BENCH_WORKLOAD=%s: d = %ld, dv = %ld is not a real head's 64: "
+                   "synthetic workload for this shape\n",
+                   env, static_cast<long>(d), static_cast<long>(dv));
     slot = std::make_unique<workloads::Workload<Scalar>>(
         workloads::make<Scalar>(kind, workloads::Params::shape(n, m, d, dv, seed)));
+  }
   return *slot;
 }
 

@@ -28,6 +28,7 @@
 #endif
 
 #include "compare_methods.hpp"
+#include "lm/lm_workload.hpp"
 
 namespace {
 
@@ -42,7 +43,11 @@ const char* kUsage =
     "  --m M            keys (default n; methods that need n = m are skipped otherwise)\n"
     "  --d D            query/key dimension (default 64)\n"
     "  --dv DV          value dimension (default d)\n"
-    "  --workload W     gaussian | sphere | clustered | positional | needles (default positional)\n"
+    "  --workload W     gaussian | sphere | clustered | positional | needles (default "
+    "positional),\n"
+    "                   or lm:decoder|encoder:LAYER:HEAD, the real Q, K, V of one head of a\n"
+    "                   trained model (examples/lm) on the first n held-out bytes (d = head dim,\n"
+    "                   m = n, one head; the decoder's heads imply --causal)\n"
     "  --methods LIST   comma-separated subset of: exact, naive, eva, performer, vcc, wildcat,\n"
     "                   conv_basis, kep_svgp (default: all but naive)\n"
     "  --budgets LIST   comma-separated budgets for every method, each in its own unit: EVA chunk\n"
@@ -161,7 +166,15 @@ Flags parse(int argc, char** argv) {
     usage_error("--heads (" + std::to_string(f.heads) + ") must be a multiple of --kv-heads (" +
                 std::to_string(f.kv_heads) + ")");
   try {
-    (void)workloads::parse_kind(f.workload);
+    lm::WorkloadSpec spec;
+    if (lm::parse_workload(f.workload, spec)) {
+      if (f.heads != 1 || f.kv_heads != 1) usage_error("an lm: workload is one head");
+      f.m = f.n;
+    } else {
+      (void)workloads::parse_kind(f.workload);
+    }
+  } catch (const lm::lm_error& e) {
+    usage_error(e.what());
   } catch (const std::exception&) {
     usage_error("unknown workload '" + f.workload +
                 "' (gaussian, sphere, clustered, positional or needles)");
@@ -187,8 +200,20 @@ std::string num(double x, const char* fmt = "%.6g") {
 }
 
 template <typename Scalar>
+int run_problem(const Flags& f, const Matrix<Scalar>& Q, const Matrix<Scalar>& K,
+                const Matrix<Scalar>& V);
+
+template <typename Scalar>
 int run_all(const Flags& f) {
   using Mat = Matrix<Scalar>;
+  lm::WorkloadSpec spec;
+  if (lm::parse_workload(f.workload, spec)) {  // one real head; d and dv are the model's
+    const auto h = lm::real_head<Scalar>(spec, f.n);
+    Flags g = f;
+    g.d = g.dv = h.Q.cols();
+    g.causal = f.causal || h.causal;
+    return run_problem<Scalar>(g, h.Q, h.K, h.V);
+  }
   const auto kind = workloads::parse_kind(f.workload);
   // One workload per key/value head g (seed + g) with n * (heads / kv_heads) queries: the query
   // heads of group g take consecutive n-row slices of its queries, so each head's queries have
@@ -204,6 +229,13 @@ int run_all(const Flags& f) {
     for (Index j = 0; j < group; ++j)
       Q.middleCols((g * group + j) * f.d, f.d) = w.Q.middleRows(j * f.n, f.n);
   }
+  return run_problem<Scalar>(f, Q, K, V);
+}
+
+template <typename Scalar>
+int run_problem(const Flags& f, const Matrix<Scalar>& Q, const Matrix<Scalar>& K,
+                const Matrix<Scalar>& V) {
+  using Mat = Matrix<Scalar>;
   Problem<Scalar> p{Q, K, V, f.causal, f.seed, f.repeat, HeadLayout{f.heads, f.kv_heads}};
 
   auto all = compare::methods<Scalar>();
