@@ -181,6 +181,8 @@ int run_generate(const std::vector<std::string>& args) {
       prompt = value();
     else if (a == "--tokens")
       go.tokens = parse_int(a, value());
+    else if (a == "--batch")
+      go.batch = parse_int(a, value());
     else if (a == "--method")
       go.method = value();
     else if (a == "--budget")
@@ -200,25 +202,32 @@ int run_generate(const std::vector<std::string>& args) {
   }
   if (prompt.empty()) usage("--prompt must not be empty");
   if (go.tokens < 1) usage("--tokens must be >= 1");
+  if (go.batch < 1) usage("--batch must be >= 1");
   const Model model = load_model(weights.empty() ? weights_path("decoder") : weights);
   std::vector<int> p(prompt.begin(), prompt.end());
   for (int& t : p) t &= 0xff;
   const GenerateResult r = generate(model, p, go);
-  std::string out(r.tokens.begin(), r.tokens.end());
-  std::printf("%s%s\n", prompt.c_str(), out.c_str());
-  const double tps = static_cast<double>(r.tokens.size()) / r.decode_seconds;
+  std::string out;
+  for (std::size_t b = 0; b < r.tokens.size(); ++b) {
+    const std::string text(r.tokens[b].begin(), r.tokens[b].end());
+    if (r.tokens.size() > 1) std::printf("--- sample %zu\n", b);
+    std::printf("%s%s\n", prompt.c_str(), text.c_str());
+    if (b == 0) out = text;
+  }
+  const double tps =
+      static_cast<double>(go.batch * static_cast<Index>(r.tokens[0].size())) / r.decode_seconds;
   const double pps = static_cast<double>(r.prompt_tokens) / r.prefill_seconds;
   std::fprintf(stderr,
-               "effattn-lm generate (%s): %zu tokens at %.0f tokens/s (prefill %ld tokens at %.0f "
-               "tokens/s); cache rows per head at the end: %ld\n",
-               go.method.c_str(), r.tokens.size(), tps, static_cast<long>(r.prompt_tokens), pps,
-               static_cast<long>(r.cache_rows));
+               "effattn-lm generate (%s): %ld x %zu tokens at %.0f tokens/s (prefill %ld tokens at "
+               "%.0f tokens/s); cache rows per (sequence, kv head) at the end: %ld\n",
+               go.method.c_str(), static_cast<long>(go.batch), r.tokens[0].size(), tps,
+               static_cast<long>(r.prompt_tokens), pps, static_cast<long>(r.cache_rows));
   if (!json.empty()) {
     std::ofstream o(json);
     o << "{\"method\": \"" << go.method << "\", \"prompt_tokens\": " << r.prompt_tokens
-      << ", \"tokens\": " << r.tokens.size() << ", \"tokens_per_second\": " << num(tps)
-      << ", \"prefill_tokens_per_second\": " << num(pps) << ", \"cache_rows\": " << r.cache_rows
-      << ", \"text\": \"" << json_escape(out) << "\"}\n";
+      << ", \"batch\": " << go.batch << ", \"tokens\": " << r.tokens[0].size()
+      << ", \"tokens_per_second\": " << num(tps) << ", \"prefill_tokens_per_second\": " << num(pps)
+      << ", \"cache_rows\": " << r.cache_rows << ", \"text\": \"" << json_escape(out) << "\"}\n";
   }
   return 0;
 }

@@ -279,6 +279,20 @@ struct Rope {
         b = a0 * s + b * c;
       }
   }
+  /// Rotates every head of every row of x, all at position `pos` (decoding: one new token per
+  /// sequence), in place.
+  void apply_at(Mat& x, Index heads, Index hd, Index pos) const {
+    const Index h2 = hd / 2;
+    for (Index h = 0; h < heads; ++h)
+      for (Index i = 0; i < h2; ++i) {
+        auto a = x.col(h * hd + i).array();
+        auto b = x.col(h * hd + i + h2).array();
+        const float c = cos(pos, i), s = sin(pos, i);
+        const Eigen::ArrayXf a0 = a;
+        a = a0 * c - b * s;
+        b = a0 * s + b * c;
+      }
+  }
 };
 
 /// x / sqrt(mean(x^2) + eps) * g, row-wise.
@@ -286,12 +300,6 @@ inline Mat rmsnorm(const Mat& x, const Vec& g, float eps) {
   const Eigen::ArrayXf inv =
       ((x.array().square().rowwise().sum() / static_cast<float>(x.cols())) + eps).rsqrt();
   return ((x.array().colwise() * inv).rowwise() * g.transpose().array()).matrix();
-}
-
-/// rmsnorm of one row.
-inline Eigen::RowVectorXf rmsnorm_row(const Eigen::RowVectorXf& x, const Vec& g, float eps) {
-  const float inv = 1.0f / std::sqrt(x.squaredNorm() / static_cast<float>(x.size()) + eps);
-  return (x.array() * inv * g.transpose().array()).matrix();
 }
 
 /// gelu(u) = u/2 (1 + erf(u / sqrt 2)), in place (Eigen's vectorised erf).

@@ -115,27 +115,36 @@ inline EvalResult evaluate(const Model& model, const std::vector<int>& text, Met
 struct GenerateOptions {
   std::string method = "exact";  ///< exact, or wildcat (compressed KV cache)
   Index budget = 256;            ///< WildCat: coreset rows per key/value head
-  Index tokens = 200;            ///< tokens to generate
+  Index tokens = 200;            ///< tokens to generate per sequence
+  Index batch = 1;               ///< sequences sampled together from the same prompt
   double temperature = 0.8;      ///< sampling temperature (0 = greedy)
-  std::uint64_t seed = 42;       ///< sampling and WildCat seed
+  std::uint64_t seed = 42;       ///< sampling (sequence b: seed + b) and WildCat seed
   Index recompress_every = 256;  ///< WildCat: re-compress the exact tail when it reaches this
 };
 
 struct GenerateResult {
-  std::vector<int> tokens;  ///< the generated tokens
-  Mat step_logits;          ///< logits of every decoding step (new_tokens x vocab)
-  Mat prompt_logits;        ///< logits of the prompt (prefill)
+  std::vector<std::vector<int>> tokens;  ///< the generated tokens of each sequence
+  Mat step_logits;    ///< sequence 0: logits after each fed token (tokens x vocab)
+  Mat prompt_logits;  ///< logits of the prompt (prefill)
   double prefill_seconds = 0, decode_seconds = 0;
-  Index prompt_tokens = 0, cache_rows = 0;  ///< cache rows per key/value head at the end
+  Index prompt_tokens = 0, cache_rows = 0;  ///< cache rows per (sequence, kv head) at the end
 };
 
-/// Autoregressive sampling from the decoder: a prefill over the prompt (exact attention, its
-/// rotated keys and values kept), then one token at a time against the KV cache: exact (keys
-/// appended to a preallocated cache, `MultiHead::compute` with `seqused_k`) or WildCat
-/// (`compress_kv` of the prompt, `append` per token, `recompress_tail` every
-/// `recompress_every` tokens, `weighted_attention`). Cost per token: the projections and MLP
-/// (O(D^2 + D F)) plus attention over the cache rows (exact: t; WildCat: about r + tail).
-/// `forced` (tests): feed these tokens instead of sampling.
+/// x W for a few rows: one row as a GEMV (a GEMM would pack W to multiply it by one row).
+inline Mat rows_times(const Mat& x, const Mat& W) {
+  if (x.rows() == 1) return Mat(x.row(0) * W);
+  return x * W;
+}
+
+/// Autoregressive sampling of `batch` sequences from the decoder: a prefill over the prompt
+/// (exact attention, its rotated keys and values kept), then one token per sequence and step
+/// against the KV caches, the B sequences as one packed batch: exact (a preallocated row-major
+/// cache region per sequence, `MultiHead::compute` with `cu_seqlens` and `seqused_k`, its
+/// GEMM-free decoding kernel) or WildCat (`compress_kv` of the prompt, `append` per token,
+/// `recompress_tail` every `recompress_every` tokens, `weighted_attention`). Cost per token: the
+/// projections and MLP (O(D^2 + D F)) plus attention over the cache rows (exact: the tokens so
+/// far; WildCat: about r + the tail). `forced` (tests): feed these tokens to every sequence
+/// instead of sampling.
 inline GenerateResult generate(const Model& model, const std::vector<int>& prompt,
                                const GenerateOptions& opt,
                                const std::vector<int>* forced = nullptr) {
@@ -145,32 +154,46 @@ inline GenerateResult generate(const Model& model, const std::vector<int>& promp
   if (prompt.empty()) throw lm_error("effattn-lm: empty prompt");
   if (opt.method != "exact" && opt.method != "wildcat")
     throw lm_error("effattn-lm: generate supports --method exact or wildcat");
-  if (opt.tokens < 0 || opt.budget < 1 || opt.recompress_every < 1)
+  if (opt.tokens < 0 || opt.budget < 1 || opt.recompress_every < 1 || opt.batch < 1)
     throw lm_error("effattn-lm: bad generation options");
+  if (forced && static_cast<Index>(forced->size()) < opt.tokens)
+    throw lm_error("effattn-lm: fewer forced tokens than steps");
   const Index T0 = static_cast<Index>(prompt.size()), N = opt.tokens, Tmax = T0 + N;
-  const Index H = c.heads, G = c.kv_heads, hd = c.head_dim;
+  const Index B = opt.batch, H = c.heads, G = c.kv_heads, hd = c.head_dim;
   const HeadLayout layout{H, G};
   GenerateResult res;
   res.prompt_tokens = T0;
-  // Prefill: exact attention, keeping every layer's rotated K and V.
-  // Row-major caches: a token appends one contiguous row, and MultiHead's decoding kernel
-  // streams row-major K and V without GEMM packing.
+  res.tokens.resize(static_cast<std::size_t>(B));
+  // Row-major caches, one region of Tmax rows per sequence: a token appends one contiguous
+  // row, and MultiHead's decoding kernel streams row-major K and V without GEMM packing.
   using RowMat = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+  const bool wc = opt.method == "wildcat";
   std::vector<RowMat> Kc(static_cast<std::size_t>(c.layers)), Vc(Kc.size());
   ExactOptions eo;
   eo.causal = true;
   const MultiHead<ExactAttentionf> exact(eo, layout);
-  // Decoding: one query against the cache's first pos + 1 rows (seqused_k), no mask needed.
+  // Decoding: one query per sequence against its region's first pos + 1 rows (seqused_k).
   const MultiHead<ExactAttentionf> decode(ExactOptions{}, layout);
+  SeqOffsets cu_q(static_cast<std::size_t>(B + 1)), regions(cu_q.size());
+  for (Index b = 0; b <= B; ++b) {
+    cu_q[static_cast<std::size_t>(b)] = b;
+    regions[static_cast<std::size_t>(b)] = b * Tmax;
+  }
   const auto t0 = clock::now();
   res.prompt_logits =
       forward(model, prompt, [&](Index l, const Mat& q, const Mat& k, const Mat& v) {
-        Kc[static_cast<std::size_t>(l)].setZero(Tmax, G * hd);
-        Vc[static_cast<std::size_t>(l)].setZero(Tmax, G * hd);
-        Kc[static_cast<std::size_t>(l)].topRows(T0) = k;
-        Vc[static_cast<std::size_t>(l)].topRows(T0) = v;
+        RowMat& K = Kc[static_cast<std::size_t>(l)];
+        RowMat& V = Vc[static_cast<std::size_t>(l)];
+        K.setZero(wc ? T0 : B * Tmax, G * hd);
+        V.setZero(K.rows(), G * hd);
+        for (Index b = 0; b < (wc ? 1 : B); ++b) {
+          K.middleRows(b * Tmax, T0) = k;
+          V.middleRows(b * Tmax, T0) = v;
+        }
         return Mat(exact.compute(q, k, v).output);
       });
+  res.prefill_seconds = std::chrono::duration<double>(clock::now() - t0).count();
+  const auto t1 = clock::now();
   WildcatOptions wo;
   wo.rank = opt.budget;
   wo.seed = opt.seed;
@@ -178,76 +201,87 @@ inline GenerateResult generate(const Model& model, const std::vector<int>& promp
   using Cache = decltype(wild.compress_kv(Kc[0].topRows(T0), Vc[0].topRows(T0)));
   std::vector<Cache> caches;
   std::vector<double> qrad(static_cast<std::size_t>(c.layers), 0.0);
-  const bool wc = opt.method == "wildcat";
-  res.prefill_seconds = std::chrono::duration<double>(clock::now() - t0).count();
-  const auto t1 = clock::now();
   if (wc) {
     // The prompt's queries are not kept; the query radius is that of the prompt's keys, a
     // stand-in of the same scale (RMS-normed inputs), raised as decoding sees larger queries.
+    // The prompt is compressed once and the caches copied to every sequence.
     for (Index l = 0; l < c.layers; ++l) {
       const RowMat& K = Kc[static_cast<std::size_t>(l)];
-      qrad[static_cast<std::size_t>(l)] = K.topRows(T0).rowwise().norm().maxCoeff();
-      caches.push_back(wild.compress_kv(K.topRows(T0), Vc[static_cast<std::size_t>(l)].topRows(T0),
-                                        {}, qrad[static_cast<std::size_t>(l)]));
+      double& qr = qrad[static_cast<std::size_t>(l)];
+      qr = K.rowwise().norm().maxCoeff();
+      const Cache one = wild.compress_kv(K, Vc[static_cast<std::size_t>(l)], {}, qr);
+      Cache all;
+      all.batch = B;
+      all.kv_heads = G;
+      for (Index b = 0; b < B; ++b)
+        all.caches.insert(all.caches.end(), one.caches.begin(), one.caches.end());
+      caches.push_back(std::move(all));
+      Kc[static_cast<std::size_t>(l)].resize(0, 0);  // the prompt's exact keys are not needed
+      Vc[static_cast<std::size_t>(l)].resize(0, 0);
     }
   }
   Rope rope;
   rope.build(Tmax, hd, c.rope_base);
-  std::mt19937_64 rng(opt.seed);
-  Eigen::RowVectorXf last = res.prompt_logits.row(T0 - 1);
+  std::vector<std::mt19937_64> rng;
+  for (Index b = 0; b < B; ++b) rng.emplace_back(opt.seed + static_cast<std::uint64_t>(b));
+  Mat last = res.prompt_logits.row(T0 - 1).replicate(B, 1);
   res.step_logits.resize(N, c.vocab);
-  Eigen::RowVectorXf x(c.d_model);
+  Mat x(B, c.d_model);
   for (Index i = 0; i < N; ++i) {
-    // Sample the next token from `last`.
-    int next;
-    if (forced) {
-      next = (*forced)[static_cast<std::size_t>(i)];
-    } else if (opt.temperature <= 0) {
-      Index am;
-      last.maxCoeff(&am);
-      next = static_cast<int>(am);
-    } else {
-      const Eigen::ArrayXd z = (last.cast<double>().array() / opt.temperature);
-      const Eigen::ArrayXd p = (z - z.maxCoeff()).exp();
-      std::discrete_distribution<int> dist(p.data(), p.data() + p.size());
-      next = dist(rng);
-    }
-    res.tokens.push_back(next);
     const Index pos = T0 + i;
-    // One row: row vectors keep every projection a GEMV (no GEMM packing for one token).
-    x = model.embed_t.col(next).transpose();
+    for (Index b = 0; b < B; ++b) {  // sample each sequence's next token from its logits
+      int next;
+      if (forced) {
+        next = (*forced)[static_cast<std::size_t>(i)];
+      } else if (opt.temperature <= 0) {
+        Index am;
+        last.row(b).maxCoeff(&am);
+        next = static_cast<int>(am);
+      } else {
+        const Eigen::ArrayXd z = last.row(b).transpose().cast<double>().array() / opt.temperature;
+        const Eigen::ArrayXd p = (z - z.maxCoeff()).exp();
+        std::discrete_distribution<int> dist(p.data(), p.data() + p.size());
+        next = dist(rng[static_cast<std::size_t>(b)]);
+      }
+      res.tokens[static_cast<std::size_t>(b)].push_back(next);
+      x.row(b) = model.embed_t.col(next).transpose();
+    }
     for (Index l = 0; l < c.layers; ++l) {
       const Layer& L = model.layers[static_cast<std::size_t>(l)];
-      Eigen::RowVectorXf h = rmsnorm_row(x, L.attn_norm, c.norm_eps);
-      Mat q = h * L.wq, k = h * L.wk, v = h * L.wv;
-      rope.apply(q, H, hd, pos);
-      rope.apply(k, G, hd, pos);
+      Mat h = rmsnorm(x, L.attn_norm, c.norm_eps);
+      Mat q = rows_times(h, L.wq), k = rows_times(h, L.wk), v = rows_times(h, L.wv);
+      rope.apply_at(q, H, hd, pos);
+      rope.apply_at(k, G, hd, pos);
       Mat a;
       if (!wc) {
         RowMat& K = Kc[static_cast<std::size_t>(l)];
         RowMat& V = Vc[static_cast<std::size_t>(l)];
-        K.row(pos) = k.row(0);
-        V.row(pos) = v.row(0);
-        a = decode.compute(q, K, V, {0, 1}, {0, Tmax}, {pos + 1}).output;
+        for (Index b = 0; b < B; ++b) {
+          K.row(b * Tmax + pos) = k.row(b);
+          V.row(b * Tmax + pos) = v.row(b);
+        }
+        const std::vector<Index> used(static_cast<std::size_t>(B), pos + 1);
+        a = decode.compute(q, K, V, cu_q, regions, used).output;
       } else {
         auto& cache = caches[static_cast<std::size_t>(l)];
-        wild.append(cache, k, v);
+        wild.append(cache, k, v, cu_q);
         double& qr = qrad[static_cast<std::size_t>(l)];
-        for (Index hh = 0; hh < H; ++hh)
-          qr = std::max<double>(qr, q.middleCols(hh * hd, hd).norm());
+        for (Index b = 0; b < B; ++b)
+          for (Index hh = 0; hh < H; ++hh)
+            qr = std::max<double>(qr, q.block(b, hh * hd, 1, hd).norm());
         if (cache.at(0, 0).tail_size() >= opt.recompress_every)
-          for (Index g = 0; g < G; ++g) wild.functor().recompress_tail(cache.at(0, g), qr);
-        a = wild.weighted_attention(q, cache).output;
+          for (auto& one : cache.caches) wild.functor().recompress_tail(one, qr);
+        a = wild.weighted_attention(q, cache, cu_q).output;
         res.cache_rows = cache.at(0, 0).size();
       }
-      x.noalias() += a.row(0) * L.wo;
-      h = rmsnorm_row(x, L.mlp_norm, c.norm_eps);
-      Eigen::RowVectorXf u = h * L.w1;
-      u.array() = 0.5f * u.array() * (1.0f + (u.array() * 0.70710678118654752f).erf());
-      x.noalias() += u * L.w2;
+      x.noalias() += rows_times(a, L.wo);
+      h = rmsnorm(x, L.mlp_norm, c.norm_eps);
+      Mat u = rows_times(h, L.w1);
+      gelu_inplace(u);
+      x.noalias() += rows_times(u, L.w2);
     }
-    last = rmsnorm_row(x, model.final_norm, c.norm_eps) * model.embed_t;
-    res.step_logits.row(i) = last;
+    last = rows_times(rmsnorm(x, model.final_norm, c.norm_eps), model.embed_t);
+    res.step_logits.row(i) = last.row(0);
   }
   res.decode_seconds = std::chrono::duration<double>(clock::now() - t1).count();
   if (!wc) res.cache_rows = Tmax;
