@@ -1,10 +1,52 @@
 #!/usr/bin/python3
-"""Train the two effattn-lm models (FORMAT.md) on the KJV text and export weights and references.
+"""Train the two effattn-lm byte-level models (FORMAT.md) on the KJV Bible and export them.
 
-(Work in progress: smoke models only so far; the full documentation follows with the trained
-models.)
+Run (from the repository root; Debian's torch, not a pyenv python):
 
-    /usr/bin/python3 examples/lm/train.py --model decoder|encoder|all [--out DIR] [--smoke]
+    /usr/bin/python3 examples/lm/train.py --model decoder|encoder|all [--out examples/lm]
+    /usr/bin/python3 examples/lm/train.py --model all --smoke     # pipeline test, ~3 minutes
+    /usr/bin/python3 examples/lm/train.py --model decoder --steps N
+
+Needs the Debian packages python3-torch (1.13), bible-kjv and bible-kjv-text. Progress goes to
+stdout and, one line, to STATUS at the repository root.
+
+What it does, per model (FORMAT.md is the contract with the C++ runner):
+  1. Builds the text: `bible -f Gen1:1-Rev22:21`, verse references stripped, one verse per line
+     (4137850 bytes); the last 131072 bytes are the held-out split, written to
+     data/heldout.txt; its SHA-256 must equal the one already in reference.json, if any.
+  2. Trains with fixed seeds and a fixed step count (CONFIGS below): random windows of the
+     training bytes drawn from a seeded torch.Generator; AdamW (betas 0.9/0.95, weight decay 0.1
+     on the matrices only), linear warmup then cosine decay to 10 % of lr 2e-3, gradient
+     clipping at 1.0; init N(0, 0.02), wo and w2 scaled by 1/sqrt(2L). Matmuls run in bf16
+     under torch.autocast (oneDNN, ~4x float32 here; float32 master weights, softmax, norms and
+     loss). The decoder's causal attention is computed in 8 query blocks that skip the
+     invisible keys (same result, less work).
+       decoder: D 256, 4 layers, 4 query heads / 2 kv heads (GQA), head_dim 64, d_ff 768,
+                vocab 256, causal next-byte prediction on 4 x 2048 bytes per step.
+       encoder: same sizes with 4 kv heads, vocab 257 (MASK = 256), bidirectional masked-byte
+                prediction on 8 x 1024 bytes per step: 15 % of the positions selected, of
+                those 80 % -> MASK, 10 % a random byte, 10 % unchanged; loss on the selected.
+  3. Rounds every weight to fp16, then computes all reference figures from those weights in
+     float32 (no autocast; plain max-subtracted softmax): held-out bits per byte at contexts
+     1024 and 2048 (every full window, and the first 4 windows), the 128-token logit fixture.
+  4. Writes weights/<model>.eflm and fixtures/<model>.bin, reads both back (checksum, names,
+     shapes; a fresh model loaded from the file gives bit-identical logits) and merges the
+     model's entry into reference.json.
+
+BLAS: Debian's torch is linked against the reference BLAS (libblas.so.3, ~5 GFLOP/s on this
+machine), which only the float32 evaluation uses. If Debian's libopenblas0-pthread is installed
+it provides libblas.so.3; otherwise this script re-executes itself once with LD_LIBRARY_PATH set
+to an unpacked copy, $EFFATTN_LM_OPENBLAS or .cache/openblas/root/usr/lib/x86_64-linux-gnu/
+openblas-pthread (made by `apt-get download libopenblas0-pthread` and
+`dpkg -x libopenblas0-pthread_*.deb .cache/openblas/root`), when there is one. The BLAS used is
+recorded in reference.json. Results are deterministic for a given machine and library set;
+another BLAS or CPU changes the last bits of training and so the weights.
+
+TIMINGS
+
+Licence of the data: the King James Version (1611) is in the public domain (copyright expired;
+see /usr/share/doc/bible-kjv-text/copyright and FORMAT.md), so the held-out text and the trained
+weights are shipped under the repository's licence.
 """
 
 import argparse
@@ -61,10 +103,10 @@ COMMON = dict(d_model=256, layers=4, heads=4, head_dim=64, d_ff=768, rope_base=1
               grad_clip=1.0, init_std=0.02)
 CONFIGS = {
     "decoder": dict(COMMON, kind=lm_format.KIND_DECODER, vocab=256, kv_heads=2, context=2048,
-                    mask_token=lm_format.NO_MASK_TOKEN, batch=4, steps=400, warmup=40,
+                    mask_token=lm_format.NO_MASK_TOKEN, batch=4, steps=450, warmup=30,
                     attn_blocks=8, seed=20, data_seed=21),
     "encoder": dict(COMMON, kind=lm_format.KIND_ENCODER, vocab=257, kv_heads=4, context=1024,
-                    mask_token=MASK_TOKEN, mask_prob=0.15, batch=8, steps=400, warmup=40,
+                    mask_token=MASK_TOKEN, mask_prob=0.15, batch=8, steps=700, warmup=40,
                     attn_blocks=1, seed=30, data_seed=31),
 }
 
