@@ -173,7 +173,7 @@ class LM(torch.nn.Module):
                                 ("w1", (Fd, D)), ("w2", (D, Fd))):
                 self.params[(p + name).replace(".", "_")] = P(torch.empty(shape))
         self.params["final_norm"] = P(torch.empty(D))
-        self._rope = {}
+        self._cache = {}
 
     def reset_parameters(self):
         std = self.cfg["init_std"]
@@ -195,18 +195,18 @@ class LM(torch.nn.Module):
         return {n: self.p(n) for n in lm_format.tensor_names(self.cfg["layers"])}
 
     def rope(self, T):
-        if T not in self._rope:
-            self._rope[T] = rope_tables(T, self.cfg["head_dim"], self.cfg["rope_base"])
-        return self._rope[T]
+        if T not in self._cache:
+            self._cache[T] = rope_tables(T, self.cfg["head_dim"], self.cfg["rope_base"])
+        return self._cache[T]
 
     def causal_mask(self, lo, hi):
-        """Additive float32 mask of queries lo..hi-1 against keys 0..hi-1: -inf where key > query."""
+        """Additive float32 mask, queries lo..hi-1 x keys 0..hi-1: -inf where key > query."""
         key = ("mask", lo, hi)
-        if key not in self._rope:
+        if key not in self._cache:
             m = torch.zeros(hi - lo, hi)
-            self._rope[key] = m.masked_fill(torch.ones(hi - lo, hi, dtype=torch.bool).triu(lo + 1),
+            self._cache[key] = m.masked_fill(torch.ones(hi - lo, hi, dtype=torch.bool).triu(lo + 1),
                                             float("-inf"))
-        return self._rope[key]
+        return self._cache[key]
 
     def attention(self, q, k, v, causal, blocks):
         """q: B x T x H x hd, k, v: B x T x G x hd; returns B x T x H*hd.
