@@ -203,9 +203,8 @@ class LM(torch.nn.Module):
         """Additive float32 mask, queries lo..hi-1 x keys 0..hi-1: -inf where key > query."""
         key = ("mask", lo, hi)
         if key not in self._cache:
-            m = torch.zeros(hi - lo, hi)
-            self._cache[key] = m.masked_fill(torch.ones(hi - lo, hi, dtype=torch.bool).triu(lo + 1),
-                                            float("-inf"))
+            above = torch.ones(hi - lo, hi, dtype=torch.bool).triu(lo + 1)
+            self._cache[key] = torch.zeros(hi - lo, hi).masked_fill(above, float("-inf"))
         return self._cache[key]
 
     def attention(self, q, k, v, causal, blocks):
