@@ -1,0 +1,599 @@
+#!/usr/bin/python3
+"""Train the two effattn-lm byte-level models (FORMAT.md) on the KJV Bible and export them.
+
+Run (from the repository root; Debian's torch, not a pyenv python):
+
+    /usr/bin/python3 examples/lm/train.py --model decoder|encoder|all [--out examples/lm]
+    /usr/bin/python3 examples/lm/train.py --model all --smoke     # pipeline test, ~3 minutes,
+                                                                  # writes to /tmp/effattn-lm-smoke
+    /usr/bin/python3 examples/lm/train.py --model decoder --steps N
+
+Needs the Debian packages python3-torch (1.13), bible-kjv and bible-kjv-text. Progress goes to
+stdout and, one line, to STATUS at the repository root.
+
+What it does, per model (FORMAT.md is the contract with the C++ runner):
+  1. Builds the text: `bible -f Gen1:1-Rev22:21`, verse references stripped, one verse per line
+     (4137850 bytes); the last 131072 bytes are the held-out split, written to
+     data/heldout.txt; its SHA-256 must equal the one already in reference.json, if any.
+  2. Trains with fixed seeds and a fixed step count (CONFIGS below): random windows of the
+     training bytes drawn from a seeded torch.Generator; AdamW (betas 0.9/0.95, weight decay 0.1
+     on the matrices only), linear warmup then cosine decay to 10 % of lr 2e-3, gradient
+     clipping at 1.0; init N(0, 0.02), wo and w2 scaled by 1/sqrt(2L). Matmuls run in bf16
+     under torch.autocast (oneDNN, ~4x float32 here; float32 master weights, softmax, norms and
+     loss). The decoder's causal attention is computed in 8 query blocks that skip the
+     invisible keys (same result, less work).
+       decoder: D 256, 4 layers, 4 query heads / 2 kv heads (GQA), head_dim 64, d_ff 768,
+                vocab 256, causal next-byte prediction on 4 x 2048 bytes per step.
+       encoder: same sizes with 4 kv heads, vocab 257 (MASK = 256), bidirectional masked-byte
+                prediction on 8 x 1024 bytes per step: 15 % of the positions selected, of
+                those 80 % -> MASK, 10 % a random byte, 10 % unchanged; loss on the selected.
+  3. Rounds every weight to fp16, then computes all reference figures from those weights in
+     float32 (no autocast; plain max-subtracted softmax): held-out bits per byte at contexts
+     1024 and 2048 (every full window, and the first 4 windows), the 128-token logit fixture.
+  4. Writes weights/<model>.eflm and fixtures/<model>.bin, reads both back (checksum, names,
+     shapes; a fresh model loaded from the file gives bit-identical logits) and merges the
+     model's entry into reference.json.
+
+BLAS: Debian's torch is linked against the reference BLAS (libblas.so.3, ~5 GFLOP/s on this
+machine), which only the float32 evaluation uses. If Debian's libopenblas0-pthread is installed
+it provides libblas.so.3; otherwise this script re-executes itself once with LD_LIBRARY_PATH set
+to an unpacked copy, $EFFATTN_LM_OPENBLAS or .cache/openblas/root/usr/lib/x86_64-linux-gnu/
+openblas-pthread (made by `apt-get download libopenblas0-pthread` and
+`dpkg -x libopenblas0-pthread_*.deb .cache/openblas/root`), when there is one. The BLAS used is
+recorded in reference.json. Results are deterministic for a given machine and library set;
+another BLAS or CPU changes the last bits of training and so the weights.
+
+Measured (2026-11-26, 2 cores shared with another developer's compiles and sweeps; load
+2-3.4): decoder 450 steps in 1012 s, final train loss 1.321 nats (1.906 bits), held-out
+2.032 bpb at 1024 / 2.026 at 2048; encoder 700 steps in 1711 s, final train loss (masked
+positions) 1.120 nats (1.615 bits), held-out 1.817 bpb at 1024 / 1.848 at 2048. Together
+45 minutes of training plus ~1.5 minutes of evaluation and export per model. The exact figures
+are in reference.json; check_reference.py recomputes the fixtures and the first-4-window
+figures with an independent float64 numpy forward.
+
+Licence of the data: the King James Version (1611) is in the public domain (copyright expired;
+see /usr/share/doc/bible-kjv-text/copyright and FORMAT.md), so the held-out text and the trained
+weights are shipped under the repository's licence.
+"""
+
+import argparse
+import hashlib
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(os.path.dirname(HERE))
+OPENBLAS_SUBDIR = "usr/lib/x86_64-linux-gnu/openblas-pthread"
+
+
+def _blas_candidates():
+    env = os.environ.get("EFFATTN_LM_OPENBLAS")
+    if env:
+        yield env
+    yield os.path.join(REPO, ".cache", "openblas", "root", OPENBLAS_SUBDIR)
+
+
+def _maybe_reexec_with_openblas():
+    """Debian's torch links the reference BLAS (libblas.so.3, ~5 GFLOP/s here); OpenBLAS is ~25x
+    faster. Unless libopenblas0-pthread is installed (it then provides libblas.so.3), restart this
+    process once with LD_LIBRARY_PATH pointing at an unpacked copy, if there is one."""
+    if os.environ.get("EFFATTN_LM_REEXEC") or os.path.exists("/" + OPENBLAS_SUBDIR):
+        return
+    for d in _blas_candidates():
+        if os.path.exists(os.path.join(d, "libblas.so.3")):
+            env = dict(os.environ, EFFATTN_LM_REEXEC="1",
+                       LD_LIBRARY_PATH=d + os.pathsep + os.environ.get("LD_LIBRARY_PATH", ""))
+            os.execve(sys.executable, [sys.executable] + sys.argv, env)
+
+
+if __name__ == "__main__":
+    _maybe_reexec_with_openblas()
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+sys.path.insert(0, HERE)
+import lm_format  # noqa: E402
+
+THREADS = 2
+HELDOUT_BYTES = 131072
+EVAL_CONTEXTS = (1024, 2048)
+FIXTURE_TOKENS = 128
+MASK_TOKEN = 256
+SMOKE_OUT = "/tmp/effattn-lm-smoke"
+
+COMMON = dict(d_model=256, layers=4, heads=4, head_dim=64, d_ff=768, rope_base=10000.0,
+              norm_eps=1e-5, lr=2e-3, min_lr_ratio=0.1, betas=(0.9, 0.95), weight_decay=0.1,
+              grad_clip=1.0, init_std=0.02)
+CONFIGS = {
+    "decoder": dict(COMMON, kind=lm_format.KIND_DECODER, vocab=256, kv_heads=2, context=2048,
+                    mask_token=lm_format.NO_MASK_TOKEN, batch=4, steps=450, warmup=30,
+                    attn_blocks=8, seed=20, data_seed=21),
+    "encoder": dict(COMMON, kind=lm_format.KIND_ENCODER, vocab=257, kv_heads=4, context=1024,
+                    mask_token=MASK_TOKEN, mask_prob=0.15, batch=8, steps=700, warmup=40,
+                    attn_blocks=1, seed=30, data_seed=31),
+}
+
+
+# ----------------------------------------------------------------------------------------------
+# Text
+# ----------------------------------------------------------------------------------------------
+
+def build_text():
+    """The KJV text of FORMAT.md: one verse per line, the reference and its space removed."""
+    raw = subprocess.run(["bible", "-f", "Gen1:1-Rev22:21"], check=True,
+                         capture_output=True).stdout.decode("ascii")
+    lines = raw.rstrip("\n").split("\n")
+    return ("\n".join(line.split(" ", 1)[1] for line in lines) + "\n").encode("ascii")
+
+
+# ----------------------------------------------------------------------------------------------
+# Model
+# ----------------------------------------------------------------------------------------------
+
+def rope_tables(T, hd, base):
+    """cos, sin (T x hd/2, float32) of theta = t * base^(-2i/hd), computed in float64."""
+    i = torch.arange(hd // 2, dtype=torch.float64)
+    inv = torch.tensor(float(base), dtype=torch.float64) ** (-2.0 * i / hd)
+    theta = torch.arange(T, dtype=torch.float64)[:, None] * inv[None, :]
+    return torch.cos(theta).float(), torch.sin(theta).float()
+
+
+def apply_rope(x, cos, sin):
+    """x: B x T x heads x hd, NeoX half layout (pair i couples i and i + hd/2)."""
+    h = x.shape[-1] // 2
+    x1, x2 = x[..., :h], x[..., h:]
+    c, s = cos[:, None, :], sin[:, None, :]
+    return torch.cat((x1 * c - x2 * s, x1 * s + x2 * c), dim=-1)
+
+
+def rmsnorm(x, w, eps):
+    return x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+
+
+class LM(torch.nn.Module):
+    """The pre-norm transformer of FORMAT.md (no biases, tied embeddings)."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        self.cfg = cfg
+        D, H, G, hd, Fd, V = (cfg["d_model"], cfg["heads"], cfg["kv_heads"], cfg["head_dim"],
+                              cfg["d_ff"], cfg["vocab"])
+        P = torch.nn.Parameter
+        self.params = torch.nn.ParameterDict()
+        self.params["embed"] = P(torch.empty(V, D))
+        for l in range(cfg["layers"]):
+            p = f"layers.{l}."
+            for name, shape in (("attn_norm", (D,)), ("wq", (H * hd, D)), ("wk", (G * hd, D)),
+                                ("wv", (G * hd, D)), ("wo", (D, H * hd)), ("mlp_norm", (D,)),
+                                ("w1", (Fd, D)), ("w2", (D, Fd))):
+                self.params[(p + name).replace(".", "_")] = P(torch.empty(shape))
+        self.params["final_norm"] = P(torch.empty(D))
+        self._cache = {}
+
+    def reset_parameters(self):
+        std = self.cfg["init_std"]
+        out_std = std / math.sqrt(2 * self.cfg["layers"])
+        with torch.no_grad():
+            for key, p in self.params.items():
+                if p.dim() == 1:
+                    p.fill_(1.0)
+                elif key.endswith("_wo") or key.endswith("_w2"):
+                    p.normal_(0.0, out_std)
+                else:
+                    p.normal_(0.0, std)
+
+    def p(self, name):
+        return self.params[name.replace(".", "_")]
+
+    def named_format_tensors(self):
+        """FORMAT.md name -> parameter."""
+        return {n: self.p(n) for n in lm_format.tensor_names(self.cfg["layers"])}
+
+    def rope(self, T):
+        if T not in self._cache:
+            self._cache[T] = rope_tables(T, self.cfg["head_dim"], self.cfg["rope_base"])
+        return self._cache[T]
+
+    def causal_mask(self, lo, hi):
+        """Additive float32 mask, queries lo..hi-1 x keys 0..hi-1: -inf where key > query."""
+        key = ("mask", lo, hi)
+        if key not in self._cache:
+            above = torch.ones(hi - lo, hi, dtype=torch.bool).triu(lo + 1)
+            self._cache[key] = torch.zeros(hi - lo, hi).masked_fill(above, float("-inf"))
+        return self._cache[key]
+
+    def attention(self, q, k, v, causal, blocks):
+        """q: B x T x H x hd, k, v: B x T x G x hd; returns B x T x H*hd.
+
+        float32, plain max-subtracted softmax (torch.softmax). Query head h reads key/value head
+        h // (H/G). With causal and blocks > 1 the queries are processed in blocks that only
+        multiply the keys they can see (same result, less work; training only)."""
+        B, T, H, hd = q.shape
+        G = k.shape[2]
+        rep = H // G
+        scale = 1.0 / math.sqrt(hd)
+        # B*G x rep x T x hd: the rep query heads sharing one key/value head side by side.
+        qg = q.permute(0, 2, 1, 3).reshape(B * G, rep, T, hd)
+        kg = k.permute(0, 2, 1, 3).reshape(B * G, T, hd)
+        vg = v.permute(0, 2, 1, 3).reshape(B * G, T, hd)
+        if not causal:
+            s = torch.matmul(qg * scale, kg.transpose(1, 2)[:, None])
+            o = torch.matmul(torch.softmax(s.float(), dim=-1), vg[:, None])
+        else:
+            if blocks < 1 or T % blocks:
+                blocks = 1
+            bs = T // blocks
+            outs = []
+            for b in range(blocks):
+                lo, hi = b * bs, (b + 1) * bs
+                s = torch.matmul(qg[:, :, lo:hi] * scale, kg[:, None, :hi].transpose(2, 3))
+                s = s.float() + self.causal_mask(lo, hi)
+                outs.append(torch.matmul(torch.softmax(s, dim=-1), vg[:, None, :hi]))
+            o = torch.cat(outs, dim=2) if blocks > 1 else outs[0]
+        # B*G x rep x T x hd -> B x T x H*hd (head h = g*rep + r)
+        return o.reshape(B, H, T, hd).permute(0, 2, 1, 3).reshape(B, T, H * hd)
+
+    def hidden(self, tokens, blocks=1):
+        """tokens: B x T (long) -> final-normed hidden states B x T x D."""
+        c = self.cfg
+        B, T = tokens.shape
+        H, G, hd, eps = c["heads"], c["kv_heads"], c["head_dim"], c["norm_eps"]
+        causal = c["kind"] == lm_format.KIND_DECODER
+        cos, sin = self.rope(T)
+        x = F.embedding(tokens, self.p("embed"))
+        for l in range(c["layers"]):
+            p = f"layers.{l}."
+            h = rmsnorm(x, self.p(p + "attn_norm"), eps)
+            q = F.linear(h, self.p(p + "wq")).view(B, T, H, hd)
+            k = F.linear(h, self.p(p + "wk")).view(B, T, G, hd)
+            v = F.linear(h, self.p(p + "wv")).view(B, T, G, hd)
+            a = self.attention(apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, causal,
+                               blocks)
+            x = x + F.linear(a, self.p(p + "wo"))
+            h = rmsnorm(x, self.p(p + "mlp_norm"), eps)
+            x = x + F.linear(F.gelu(F.linear(h, self.p(p + "w1"))), self.p(p + "w2"))
+        return rmsnorm(x, self.p("final_norm"), eps)
+
+    def logits(self, h):
+        return F.linear(h, self.p("embed"))
+
+    def forward(self, tokens, blocks=1):
+        return self.logits(self.hidden(tokens, blocks))
+
+
+def load_format_tensors(model, tensors):
+    """Copy FORMAT.md-named arrays (rows x cols) into the model's parameters."""
+    with torch.no_grad():
+        for name, p in model.named_format_tensors().items():
+            p.copy_(torch.from_numpy(tensors[name]).reshape(p.shape))
+
+
+# ----------------------------------------------------------------------------------------------
+# Training
+# ----------------------------------------------------------------------------------------------
+
+def lr_at(step, cfg):
+    """Linear warmup to lr, then cosine decay to min_lr_ratio * lr at the last step."""
+    lr, warm, steps = cfg["lr"], cfg["warmup"], cfg["steps"]
+    if step < warm:
+        return lr * (step + 1) / warm
+    frac = (step - warm) / max(1, steps - 1 - warm)
+    lo = cfg["min_lr_ratio"]
+    return lr * (lo + (1.0 - lo) * 0.5 * (1.0 + math.cos(math.pi * min(1.0, frac))))
+
+
+def sample_batch(data, cfg, gen):
+    """Random windows of the training bytes (uint8 tensor), drawn from ``gen``.
+
+    decoder: (input B x C, target B x C, None), the target shifted by one byte.
+    encoder: (corrupted input B x C, original B x C, masked B x C bool): each position is
+    selected with probability mask_prob; a selected position becomes MASK with probability 0.8,
+    a uniformly random byte with 0.1 and stays unchanged with 0.1."""
+    B, C = cfg["batch"], cfg["context"]
+    decoder = cfg["kind"] == lm_format.KIND_DECODER
+    span = C + 1 if decoder else C
+    starts = torch.randint(0, len(data) - span + 1, (B,), generator=gen)
+    win = data[starts[:, None] + torch.arange(span)[None, :]].long()
+    if decoder:
+        return win[:, :-1], win[:, 1:], None
+    masked = torch.rand(B, C, generator=gen) < cfg["mask_prob"]
+    r = torch.rand(B, C, generator=gen)
+    rand_bytes = torch.randint(0, 256, (B, C), generator=gen)
+    inp = win.clone()
+    inp[masked & (r < 0.8)] = cfg["mask_token"]
+    swap = masked & (r >= 0.8) & (r < 0.9)
+    inp[swap] = rand_bytes[swap]
+    return inp, win, masked
+
+
+def write_status(text):
+    path = os.path.join(REPO, "STATUS")
+    with open(path + ".tmp", "w") as f:
+        f.write(text + "\n")
+    os.replace(path + ".tmp", path)
+
+
+def train(name, cfg, log):
+    """Train one model; returns (model, final train loss in nats, seconds)."""
+    torch.manual_seed(cfg["seed"])
+    model = LM(cfg)
+    model.reset_parameters()
+    gen = torch.Generator().manual_seed(cfg["data_seed"])
+    data = torch.frombuffer(bytearray(cfg["_train_bytes"]), dtype=torch.uint8)
+    decay = [p for p in model.parameters() if p.dim() == 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg["weight_decay"]},
+                             {"params": no_decay, "weight_decay": 0.0}],
+                            lr=cfg["lr"], betas=cfg["betas"])
+    decoder = cfg["kind"] == lm_format.KIND_DECODER
+    losses = []
+    t0 = time.time()
+    for step in range(cfg["steps"]):
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step, cfg)
+        inp, target, masked = sample_batch(data, cfg, gen)
+        # Mixed precision: bf16 matmuls (oneDNN, ~4x the float32 speed here), float32 master
+        # weights, softmax, norms and loss.
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            h = model.hidden(inp, blocks=cfg["attn_blocks"])
+        h = h.float()
+        if decoder:
+            logits = model.logits(h)
+            loss = F.cross_entropy(logits.reshape(-1, cfg["vocab"]), target.reshape(-1))
+        else:
+            loss = F.cross_entropy(model.logits(h[masked]), target[masked])
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg["grad_clip"])
+        opt.step()
+        losses.append(loss.item())
+        elapsed = time.time() - t0
+        recent = sum(losses[-20:]) / len(losses[-20:])
+        write_status(f"{name} step {step + 1}/{cfg['steps']} loss {recent:.4f} "
+                     f"({recent / math.log(2):.3f} bits) elapsed {elapsed:.0f}s")
+        if step % 10 == 0 or step + 1 == cfg["steps"]:
+            log(f"{name} step {step + 1}/{cfg['steps']} lr {lr_at(step, cfg):.2e} "
+                f"loss {loss.item():.4f} avg20 {recent:.4f} elapsed {elapsed:.0f}s "
+                f"({(step + 1) * cfg['batch'] * cfg['context'] / elapsed:.0f} tok/s)")
+    seconds = time.time() - t0
+    final = sum(losses[-20:]) / len(losses[-20:])
+    return model, final, seconds
+
+
+def round_to_fp16(model):
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(p.half().float())
+            if not torch.isfinite(p).all():
+                raise RuntimeError("a weight overflows fp16")
+
+
+# ----------------------------------------------------------------------------------------------
+# Evaluation (FORMAT.md "Evaluation"); float32 forward, float64 accumulation
+# ----------------------------------------------------------------------------------------------
+
+def encoder_masked_window(window_bytes, w, mask_token):
+    """(masked input list, mask list) of evaluation window w."""
+    mask = lm_format.encoder_eval_mask(w, len(window_bytes))
+    return [mask_token if m else b for b, m in zip(window_bytes, mask)], mask
+
+
+@torch.no_grad()
+def heldout_bits(model, heldout, C, batch=4):
+    """Per-window (sum of bits, predicted positions) over every full window of C bytes."""
+    cfg = model.cfg
+    n = len(heldout) // C
+    out = []
+    for w0 in range(0, n, batch):
+        ws = range(w0, min(n, w0 + batch))
+        raw = [list(heldout[w * C:(w + 1) * C]) for w in ws]
+        if cfg["kind"] == lm_format.KIND_DECODER:
+            tokens = torch.tensor(raw)
+            logp = model(tokens).double().log_softmax(-1)
+            nll = -logp[:, :-1].gather(-1, tokens[:, 1:, None])[..., 0]
+            out += [(float(r.sum()) / math.log(2), C - 1) for r in nll]
+        else:
+            pairs = [encoder_masked_window(r, w, cfg["mask_token"]) for r, w in zip(raw, ws)]
+            tokens = torch.tensor([p[0] for p in pairs])
+            masks = torch.tensor([p[1] for p in pairs])
+            logp = model(tokens).double().log_softmax(-1)
+            nll = -logp.gather(-1, torch.tensor(raw)[..., None])[..., 0]
+            out += [(float(r[m].sum()) / math.log(2), int(m.sum())) for r, m in zip(nll, masks)]
+    return out
+
+
+def bpb(pairs):
+    return sum(b for b, _ in pairs) / sum(n for _, n in pairs)
+
+
+def fixture_tokens(model, heldout):
+    raw = list(heldout[:FIXTURE_TOKENS])
+    if model.cfg["kind"] == lm_format.KIND_ENCODER:
+        return encoder_masked_window(raw, 0, model.cfg["mask_token"])[0]
+    return raw
+
+
+@torch.no_grad()
+def fixture_logits(model, tokens):
+    return model(torch.tensor([tokens]))[0].float()
+
+
+# ----------------------------------------------------------------------------------------------
+# Export
+# ----------------------------------------------------------------------------------------------
+
+HEADER_KEYS = lm_format.HEADER_U32 + ("rope_base", "norm_eps")
+
+
+def export(name, model, heldout, out_dir, log):
+    """Write weights/<name>.eflm and fixtures/<name>.bin; read both back and check them."""
+    cfg = model.cfg
+    header = {k: cfg[k] for k in HEADER_KEYS}
+    wpath = os.path.join(out_dir, "weights", f"{name}.eflm")
+    fpath = os.path.join(out_dir, "fixtures", f"{name}.bin")
+    os.makedirs(os.path.dirname(wpath), exist_ok=True)
+    os.makedirs(os.path.dirname(fpath), exist_ok=True)
+    tensors = {n: p.detach().numpy() for n, p in model.named_format_tensors().items()}
+    checksum = lm_format.write_eflm(wpath, header, tensors)
+    tokens = fixture_tokens(model, heldout)
+    logits = fixture_logits(model, tokens)
+    lm_format.write_fixture(fpath, tokens, logits.numpy())
+
+    # Round trip: the file's weights in a fresh model give bit-identical logits.
+    h, loaded, checksum2 = lm_format.read_eflm(wpath)
+    assert checksum2 == checksum
+    for k in HEADER_KEYS:
+        want = cfg[k] if k not in ("rope_base", "norm_eps") else float(torch.tensor(cfg[k]))
+        if h[k] != want:
+            raise RuntimeError(f"header {k}: {h[k]} != {want}")
+    fresh = LM(dict(cfg, **{k: h[k] for k in lm_format.HEADER_U32}))
+    load_format_tensors(fresh, loaded)
+    for n, p in model.named_format_tensors().items():
+        if not torch.equal(fresh.named_format_tensors()[n], p.detach()):
+            raise RuntimeError(f"round trip changed tensor {n}")
+    if not torch.equal(fixture_logits(fresh, tokens), logits):
+        raise RuntimeError("round trip changed the logits")
+    ftok, flog = lm_format.read_fixture(fpath)
+    if ftok.tolist() != tokens or not torch.equal(torch.from_numpy(flog), logits):
+        raise RuntimeError("fixture round trip mismatch")
+    log(f"{name}: wrote {wpath} ({os.path.getsize(wpath)} bytes, FNV-1a {checksum:#018x}) and "
+        f"{fpath} ({os.path.getsize(fpath)} bytes); round trip bit-identical")
+    with open(wpath, "rb") as f:
+        sha = hashlib.sha256(f.read()).hexdigest()
+    return checksum, sha
+
+
+def loaded_blas():
+    """Path of the BLAS library mapped into this process (reference or OpenBLAS)."""
+    try:
+        with open("/proc/self/maps") as f:
+            for line in f:
+                if "blas" in line:
+                    return os.path.realpath(line.split()[-1])
+    except OSError:
+        pass
+    return "unknown"
+
+
+def update_reference(out_dir, name, entry, heldout_sha):
+    path = os.path.join(out_dir, "reference.json")
+    ref = {}
+    if os.path.exists(path):
+        with open(path) as f:
+            ref = json.load(f)
+    ref["heldout_sha256"] = heldout_sha
+    ref["heldout_bytes"] = HELDOUT_BYTES
+    ref[name] = entry
+    with open(path + ".tmp", "w") as f:
+        json.dump(ref, f, indent=2, sort_keys=True)
+        f.write("\n")
+    os.replace(path + ".tmp", path)
+
+
+def prepare_data(out_dir, log):
+    """Build the text, split it, write and check data/heldout.txt. Returns (train, heldout, sha)."""
+    text = build_text()
+    train_bytes, heldout = text[:-HELDOUT_BYTES], text[-HELDOUT_BYTES:]
+    sha = hashlib.sha256(heldout).hexdigest()
+    ref_path = os.path.join(out_dir, "reference.json")
+    if os.path.exists(ref_path):
+        with open(ref_path) as f:
+            expected = json.load(f).get("heldout_sha256")
+        if expected and expected != sha:
+            raise RuntimeError(f"the held-out text's SHA-256 {sha} differs from reference.json's "
+                               f"{expected}: the bible-kjv text changed")
+    hpath = os.path.join(out_dir, "data", "heldout.txt")
+    os.makedirs(os.path.dirname(hpath), exist_ok=True)
+    with open(hpath, "wb") as f:
+        f.write(heldout)
+    log(f"text {len(text)} bytes: train {len(train_bytes)}, held-out {len(heldout)} "
+        f"(SHA-256 {sha})")
+    return train_bytes, heldout, sha
+
+
+def run(name, args, train_bytes, heldout, heldout_sha, log):
+    cfg = dict(CONFIGS[name])
+    if args.smoke:
+        cfg.update(steps=3, warmup=1, batch=1)
+    if args.steps is not None:
+        cfg["steps"] = args.steps
+        cfg["warmup"] = min(cfg["warmup"], max(1, args.steps // 10))
+    cfg["_train_bytes"] = train_bytes
+    log(f"{name}: training {cfg['steps']} steps of {cfg['batch']} x {cfg['context']} bytes")
+    model, final_loss, seconds = train(name, cfg, log)
+    log(f"{name}: trained in {seconds:.0f}s, final train loss {final_loss:.4f} nats "
+        f"({final_loss / math.log(2):.4f} bits)")
+    del cfg["_train_bytes"]
+    model.cfg = cfg
+    round_to_fp16(model)
+    t0 = time.time()
+    full, first4 = {}, {}
+    for C in EVAL_CONTEXTS:
+        pairs = heldout_bits(model, heldout, C)
+        full[str(C)], first4[str(C)] = bpb(pairs), bpb(pairs[:4])
+        log(f"{name}: held-out bpb at {C}: {full[str(C)]:.5f} (first 4 windows "
+            f"{first4[str(C)]:.5f})")
+    eval_seconds = time.time() - t0
+    checksum, sha = export(name, model, heldout, args.out, log)
+    entry = {
+        "config": {k: cfg[k] for k in HEADER_KEYS},
+        "training": {k: cfg[k] for k in ("batch", "context", "lr", "min_lr_ratio", "betas",
+                                         "weight_decay", "grad_clip", "init_std", "warmup",
+                                         "attn_blocks") + (("mask_prob",) if
+                                                           name == "encoder" else ())},
+        "tokens_per_step": cfg["batch"] * cfg["context"],
+        "precision": "bf16 autocast (oneDNN) matmuls, float32 weights/softmax/norms/loss; "
+                     "weights rounded to fp16 after training; references in float32",
+        "seeds": {"torch_manual_seed": cfg["seed"], "data_generator": cfg["data_seed"]},
+        "steps": cfg["steps"],
+        "smoke": bool(args.smoke),
+        "train_seconds": round(seconds, 1),
+        "eval_seconds": round(eval_seconds, 1),
+        "final_train_loss": final_loss,
+        "final_train_loss_unit": "nats per predicted byte, mean of the last 20 steps"
+                                 + (" (masked positions only)" if name == "encoder" else ""),
+        "final_train_bpb": final_loss / math.log(2),
+        "heldout_bpb": full,
+        "heldout_bpb_first4": first4,
+        "heldout_sha256": heldout_sha,
+        "weights_fnv1a64": f"{checksum:#018x}",
+        "weights_sha256": sha,
+        "torch_version": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "blas": loaded_blas(),
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %z"),
+    }
+    update_reference(args.out, name, entry, heldout_sha)
+    log(f"{name}: reference.json updated")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", choices=("decoder", "encoder", "all"), required=True)
+    ap.add_argument("--out", help="output directory (default: this directory; with --smoke "
+                                  f"{SMOKE_OUT})")
+    ap.add_argument("--smoke", action="store_true", help="3 steps of batch 1: a pipeline test")
+    ap.add_argument("--steps", type=int, help="override the step count")
+    args = ap.parse_args()
+    if args.out is None:
+        args.out = SMOKE_OUT if args.smoke else HERE
+    torch.set_num_threads(THREADS)
+
+    def log(msg):
+        print(time.strftime("%H:%M:%S"), msg, flush=True)
+
+    blas = loaded_blas()
+    log(f"torch {torch.__version__}, {torch.get_num_threads()} threads, BLAS {blas}")
+    train_bytes, heldout, sha = prepare_data(args.out, log)
+    for name in (("decoder", "encoder") if args.model == "all" else (args.model,)):
+        run(name, args, train_bytes, heldout, sha, log)
+    write_status("done")
+
+
+if __name__ == "__main__":
+    main()
