@@ -211,6 +211,9 @@ class MethodAttention {
     if (n == "conv_basis") {
       ConvBasisAttentionf::Options o;
       o.num_bases = b;
+      // k >= n is the exact setting only with one probe row (T = 1, Cor. 4.5 of the paper);
+      // the default probe skips bases whose rows look alike.
+      if (b >= q.rows()) o.probe = 1;
       return through<ConvBasisAttentionf>(o, q, k, v);
     }
     if (n == "eva") {
