@@ -194,7 +194,7 @@ class MultiHead {
   /// added in head order. Tasks are (sequence, key/value head) pairs in parallel, each serial
   /// inside, so results do not depend on the thread count. Cost: the per-head backwards (about
   /// 2.5x the forward for exact Tiled), extra memory one (sequence, head)'s gradients per task.
-  /// 	hrows effattn::invalid_argument for inputs `compute` would reject, a `result` that is not
+  /// \throws effattn::invalid_argument for inputs `compute` would reject, a `result` that is not
   ///         a successful result of this layout and these shapes, or a dO of the wrong shape or
   ///         with non-finite entries (the messages name the argument, sequence and head).
   template <typename DQ, typename DK, typename DV, int ResultOrder, typename DO>
