@@ -65,13 +65,8 @@ TEST_CASE("lm: the C++ forward pass matches torch's logits on the committed fixt
     const Fixture f = load_fixture(lm_dir() + "/fixtures/" + name + ".bin");
     const Model& m = model(name);
     REQUIRE(f.logits.cols() == m.cfg.vocab);
-    const Mat logits = forward(m, f.tokens, [&](Index, const Mat& q, const Mat& k, const Mat& v) {
-      effattn::ExactOptions o;
-      o.causal = m.cfg.causal();
-      return Mat(effattn::MultiHead<effattn::ExactAttentionf>(o, {m.cfg.heads, m.cfg.kv_heads})
-                     .compute(q, k, v)
-                     .output);
-    });
+    MethodAttention exact(m.cfg, {});
+    const Mat logits = forward(m, f.tokens, exact.fn());
     const double rel = (logits - f.logits).norm() / f.logits.norm();
     INFO(name << ": relative Frobenius error of the logits " << rel);
     CHECK(rel <= 1e-4);

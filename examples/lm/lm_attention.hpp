@@ -257,18 +257,9 @@ class MethodAttention {
     const Index H = m_cfg.heads, G = m_cfg.kv_heads, group = H / G;
     const float beta = 1.0f / std::sqrt(static_cast<float>(hd));
     Mat out(T, H * hd);
-    if (P > 0) {
-      ExactOptions o;
-      o.causal = true;
-      const Mat qp = q.topRows(P), kp = k.topRows(P), vp = v.topRows(P);
-      out.topRows(P) = MultiHead<ExactAttentionf>(o, layout()).compute(qp, kp, vp).output;
-    }
-    if (P == 0) {  // nothing to compress
-      ExactOptions o;
-      o.causal = true;
-      return MultiHead<ExactAttentionf>(o, layout()).compute(q, k, v).output;
-    }
+    if (P == 0) return exact(q, k, v);  // nothing to compress
     const Mat kp = k.topRows(P), vp = v.topRows(P);
+    out.topRows(P) = exact(q.topRows(P), kp, vp);  // the prompt among itself, causal
     if (m_spec.name == "wildcat") {
       double qr = 0;
       for (Index h = 0; h < H; ++h)

@@ -18,6 +18,7 @@
 #include <iterator>
 #include <stdexcept>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace effattn {
@@ -122,18 +123,25 @@ inline std::vector<unsigned char> read_file(const std::string& path) {
   return std::vector<unsigned char>(std::istreambuf_iterator<char>(in), {});
 }
 
+/// The bytes of `path`, whose first 8 bytes must be `magic` (else "is not <what>").
+inline std::vector<unsigned char> read_with_magic(const std::string& path, const char* magic,
+                                                  const std::string& what) {
+  std::vector<unsigned char> buf = read_file(path);
+  Reader{buf, 0, path}.need(8, "the magic");
+  if (std::memcmp(buf.data(), magic, 8) != 0)
+    throw lm_error("effattn-lm: " + path + " is not " + what);
+  return buf;
+}
+
 }  // namespace detail
 
 /// Loads a FORMAT.md weight file. Checks the magic, version, header values, every tensor's name
 /// and shape, the FNV-1a checksum and the end marker.
 /// \throws lm_error naming the file and the problem (truncated, corrupted, wrong tensor, ...).
 inline Model load_model(const std::string& path) {
-  const std::vector<unsigned char> buf = detail::read_file(path);
-  detail::Reader r{buf, 0, path};
-  r.need(8, "the magic");
-  if (std::memcmp(buf.data(), "EFLMWTS1", 8) != 0)
-    throw lm_error("effattn-lm: " + path + " is not an effattn-lm weight file (bad magic)");
-  r.pos = 8;
+  const std::vector<unsigned char> buf =
+      detail::read_with_magic(path, "EFLMWTS1", "an effattn-lm weight file (bad magic)");
+  detail::Reader r{buf, 8, path};
   // The checksum first: a corrupted file should say so, not fail on a garbled header.
   if (buf.size() < 8 + 16) throw lm_error("effattn-lm: " + path + " is truncated");
   if (std::memcmp(buf.data() + buf.size() - 8, "EFLMEND\0", 8) != 0)
@@ -229,12 +237,9 @@ struct Fixture {
   Mat logits;
 };
 inline Fixture load_fixture(const std::string& path) {
-  const std::vector<unsigned char> buf = detail::read_file(path);
-  detail::Reader r{buf, 0, path};
-  r.need(8, "the magic");
-  if (std::memcmp(buf.data(), "EFLMFIX1", 8) != 0)
-    throw lm_error("effattn-lm: " + path + " is not a logit fixture");
-  r.pos = 8;
+  const std::vector<unsigned char> buf =
+      detail::read_with_magic(path, "EFLMFIX1", "a logit fixture");
+  detail::Reader r{buf, 8, path};
   const Index T = r.u32("n_tokens"), V = r.u32("vocab");
   if (T < 1 || T > 1 << 20 || V < 1 || V > 1024) throw lm_error("effattn-lm: bad fixture header");
   Fixture f;
@@ -267,27 +272,28 @@ struct Rope {
   }
   /// Rotates every head of x (rows = positions first..first+rows) in place.
   void apply(Mat& x, Index heads, Index hd, Index first = 0) const {
-    const Index T = x.rows(), h2 = hd / 2;
-    for (Index h = 0; h < heads; ++h)
-      for (Index i = 0; i < h2; ++i) {
-        auto a = x.col(h * hd + i).array();
-        auto b = x.col(h * hd + i + h2).array();
-        const auto c = cos.col(i).segment(first, T).array();
-        const auto s = sin.col(i).segment(first, T).array();
-        const Eigen::ArrayXf a0 = a;
-        a = a0 * c - b * s;
-        b = a0 * s + b * c;
-      }
+    const Index T = x.rows();
+    rotate(x, heads, hd, [&](Index i) {
+      return std::make_pair(cos.col(i).segment(first, T).array(),
+                            sin.col(i).segment(first, T).array());
+    });
   }
   /// Rotates every head of every row of x, all at position `pos` (decoding: one new token per
   /// sequence), in place.
   void apply_at(Mat& x, Index heads, Index hd, Index pos) const {
+    rotate(x, heads, hd, [&](Index i) { return std::make_pair(cos(pos, i), sin(pos, i)); });
+  }
+
+ private:
+  /// The pair rotation of every head; cs(i) gives pair i's cosine and sine (per row or one value).
+  template <typename CosSin>
+  static void rotate(Mat& x, Index heads, Index hd, CosSin&& cs) {
     const Index h2 = hd / 2;
     for (Index h = 0; h < heads; ++h)
       for (Index i = 0; i < h2; ++i) {
         auto a = x.col(h * hd + i).array();
         auto b = x.col(h * hd + i + h2).array();
-        const float c = cos(pos, i), s = sin(pos, i);
+        const auto [c, s] = cs(i);
         const Eigen::ArrayXf a0 = a;
         a = a0 * c - b * s;
         b = a0 * s + b * c;

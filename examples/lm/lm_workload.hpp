@@ -60,7 +60,7 @@ RealHead<Scalar> real_head(const WorkloadSpec& spec, Index n, Index window = 0) 
   if (spec.layer < 0 || spec.layer >= c.layers || spec.head < 0 || spec.head >= c.heads)
     throw lm_error("effattn: the " + std::string(c.name()) + " has " + std::to_string(c.layers) +
                    " layers and " + std::to_string(c.heads) + " heads");
-  const std::vector<int> text = read_text(heldout_path());
+  static const std::vector<int> text = read_text(heldout_path());
   if (n < 1 || window < 0 || (window + 1) * n > static_cast<Index>(text.size()))
     throw lm_error("effattn: the held-out text has " + std::to_string(text.size()) +
                    " bytes, too few for window " + std::to_string(window) + " of " +

@@ -448,8 +448,8 @@ bool mh_decode_pass(const MhExactProblem<Scalar>& P, const MhBlock& blk, Index s
         for (Index r = r0; r < r0 + nr; ++r) {
           auto sv = ws.sv.head(cols);
           sv.noalias() = Kt * qr.row(r).transpose();
+          finite = finite && all_finite(sv);  // a non-finite key (q is finite)
           const Scalar tmax = sv.maxCoeff();
-          if (!std::isfinite(tmax)) finite = false;  // a non-finite key (q is finite)
           const Scalar mnew = std::max(ws.m(r), tmax);
           const Scalar shift = mnew == ninf ? Scalar(0) : mnew;
           const Scalar alpha = ws.m(r) == ninf ? Scalar(0) : std::exp(ws.m(r) - shift);
