@@ -3,11 +3,11 @@
 # and error 0 on the exact (reference) rows.
 # Usage: cmake -DCOMPARE=<effattn-compare> -DOUT=<file.json> -P check_compare.cmake
 cmake_minimum_required(VERSION 3.25)
-set(expected_methods exact naive eva performer vcc conv_basis wildcat kep_svgp)
+set(expected_methods exact naive eva performer vcc conv_basis wildcat kep_svgp auto)
 
 execute_process(
   COMMAND ${COMPARE} --n 256 --d 32 --repeat 1 --threads 2 --methods
-          exact,naive,eva,performer,vcc,conv_basis,wildcat,kep_svgp --json ${OUT}
+          exact,naive,eva,performer,vcc,conv_basis,wildcat,kep_svgp --auto --json ${OUT}
   RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
 message("${out}")
 if(NOT rc EQUAL 0)

@@ -63,6 +63,10 @@ const char* kUsage =
     "  --double         double instead of float\n"
     "  --precision P    fp32 (default) or bf16: bf16 adds the row exact_bf16, ExactAttention\n"
     "                   with policy::TiledBf16 on the kernel path effattn::active_isa() (float)\n"
+    "  --auto           add the row auto: AutoAttention picks the fastest of exact, WildCat and\n"
+    "                   EVA that meets --target on sampled exact rows and says why (without\n"
+    "                   --methods only exact and auto run)\n"
+    "  --target E       AutoAttention's relative error target (default 0.01)\n"
     "  --json FILE      also write the table as JSON\n"
     "  --csv FILE       also write the table as CSV\n"
     "  --help           this text\n";
@@ -79,6 +83,8 @@ struct Flags {
   int repeat = 3;
   bool use_double = false;
   bool bf16 = false;
+  bool use_auto = false;
+  double target = 1e-2;
   std::string json, csv;
 };
 
@@ -151,6 +157,14 @@ Flags parse(int argc, char** argv) {
       if (v != "fp32" && v != "bf16")
         usage_error("--precision expects fp32 or bf16, got '" + v + "'");
       f.bf16 = v == "bf16";
+    } else if (a == "--auto") {
+      f.use_auto = true;
+    } else if (a == "--target") {
+      const std::string v = value();
+      char* end = nullptr;
+      f.target = std::strtod(v.c_str(), &end);
+      if (v.empty() || *end != '\0' || !std::isfinite(f.target) || f.target < 0)
+        usage_error("--target expects a number >= 0, got '" + v + "'");
     } else if (a == "--json") {
       f.json = value();
     } else if (a == "--csv") {
@@ -270,7 +284,44 @@ int run_problem(const Flags& f, const Matrix<Scalar>& Q, const Matrix<Scalar>& K
       all.push_back(std::move(m));
     }
   }
+  std::vector<std::string> auto_reasons;  // --auto: AutoAttention's reason, per head
+  if (f.use_auto) {                       // AutoAttention at --target as one more method
+    Method<Scalar> m;
+    m.name = "auto";
+    m.default_budgets = [](const Problem<Scalar>&) { return std::vector<Index>{}; };
+    m.applicable = [](const Problem<Scalar>&, std::string&) { return true; };
+    m.run = [&f, &auto_reasons](const Problem<Scalar>& pr, Index) {
+      compare::Output<Scalar> o;
+      AutoOptions opts;
+      opts.causal = pr.causal;
+      opts.target_error = f.target;
+      opts.seed = pr.seed;
+      const MultiHead<AutoAttention<Scalar>> mh(opts, pr.layout);
+      typename AutoAttention<Scalar>::Result last;
+      if (pr.layout.heads > 1 || pr.layout.kv_heads > 1) {
+        MultiHeadResult<AutoAttention<Scalar>> r;
+        o.seconds = compare::median_time(pr.repeat, [&] { r = mh.compute(pr.Q, pr.K, pr.V); });
+        o.info = r.info;
+        o.output = std::move(r.output);
+        last = r.head(0, 0);
+      } else {
+        const AutoAttention<Scalar> a(opts);
+        o.seconds = compare::median_time(pr.repeat, [&] { last = a.compute(pr.Q, pr.K, pr.V); });
+        o.info = last.info;
+        o.output = last.output;
+      }
+      for (const Diagnostic& d : last.diagnostics()) o.diag[d.name] = d.value;
+      o.config = std::string("target ") + num(f.target, "%.3g") + " -> " + to_string(last.method);
+      if (last.method != AutoMethod::Exact) o.config += " " + std::to_string(last.budget);
+      auto_reasons.assign(1, last.reason);
+      return o;
+    };
+    all.push_back(std::move(m));
+  }
   std::vector<std::string> names = f.methods;
+  if (f.use_auto && names.empty()) names = {"exact", "auto"};
+  if (f.use_auto && std::find(names.begin(), names.end(), "auto") == names.end())
+    names.push_back("auto");
   if (f.bf16 && !names.empty() &&
       std::find(names.begin(), names.end(), "exact_bf16") == names.end())
     names.push_back("exact_bf16");
@@ -449,6 +500,8 @@ int run_problem(const Flags& f, const Matrix<Scalar>& Q, const Matrix<Scalar>& K
          << num(r.seconds) << "," << num(r.speedup) << ",\"" << diag << "\"\n";
     }
   }
+  for (const std::string& why : auto_reasons)
+    std::printf("auto%s: %s\n", f.heads > 1 ? " (head 0)" : "", why.c_str());
   // Exit status 1 when a method threw or returned a non-finite error (skips are not failures).
   const bool failed = std::any_of(rows.begin(), rows.end(), [](const Run& r) {
     return r.status.rfind("error", 0) == 0 ||

@@ -16,11 +16,14 @@
 ///   (ConvBasisAttention, with `conv_basis_recovery.hpp`), `eva.hpp` (EvaAttention,
 ///   PerformerAttention), `kep_svgp.hpp` (KepSvgpAttention), `vcc.hpp` (VccAttention, with
 ///   `vcc_tree.hpp`), `wildcat.hpp` (WildcatAttention, compress_kv).
+/// - on top of the methods: `multi_head.hpp` (heads, GQA, variable-length batches, KV caches) and
+///   `auto.hpp` (AutoAttention: the fastest method that meets an error target).
 /// - `detail/`: private implementation, never included by users directly.
 ///
 /// `workloads.hpp` (synthetic test problems) is not part of the umbrella: include it explicitly.
 #pragma once
 
+#include "auto.hpp"
 #include "config.hpp"
 #include "conv_basis.hpp"
 #include "core/checks.hpp"
