@@ -13,7 +13,7 @@ ArrayLike = Union[npt.ArrayLike, Any]  # numpy arrays, CPU torch tensors, nested
 Offsets = Union[Sequence[int], npt.NDArray[np.integer], Any]
 
 __version__: str
-methods: Tuple[str, ...]  # ('exact', 'conv_basis', 'vcc', 'eva', 'performer', 'wildcat', 'kep_svgp')
+methods: Tuple[str, ...]  # ('exact', 'conv_basis', 'vcc', 'eva', 'performer', 'wildcat', 'kep_svgp', 'auto')
 
 class Result:
     """The result of attention / sdpa / weighted_attention."""

@@ -115,12 +115,12 @@ struct AutoResult : AttentionResult<Scalar> {
   std::vector<AutoCandidate> candidates;  ///< every candidate considered, in the order tried
   Vector<Scalar> lse;  ///< n log-sum-exp values when exact attention was chosen (else empty)
 
-  /// method (0 exact, 1 wildcat, 2 eva), budget, estimated_error, predicted_cost, probe_rows,
-  /// candidates_tried.
+  /// chosen_method (0 exact, 1 wildcat, 2 eva), budget, estimated_error, predicted_cost,
+  /// probe_rows, candidates_tried.
   Diagnostics diagnostics() const {
     Index tried = 0;
     for (const AutoCandidate& c : candidates) tried += c.estimated_error >= 0 ? 1 : 0;
-    return {{"method", static_cast<double>(method)},
+    return {{"chosen_method", static_cast<double>(method)},
             {"budget", static_cast<double>(budget)},
             {"estimated_error", estimated_error},
             {"predicted_cost", predicted_cost},

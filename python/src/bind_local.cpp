@@ -1,4 +1,4 @@
-// VCC, EVA and Performer from Python (MultiHead<F> over the packed views).
+// VCC, EVA, Performer and AutoAttention from Python (MultiHead<F> over the packed views).
 #include "common.hpp"
 
 namespace effattn {
@@ -59,6 +59,25 @@ PyResult run_performer(const Packed& p, Kwargs& kw, bool causal) {
   return by_dtype(p.dtype, [&](auto tag) {
     using S = typename decltype(tag)::type;
     return run_packed<PerformerAttention<S>>(p, o, "performer");
+  });
+}
+
+PyResult run_auto(const Packed& p, Kwargs& kw, bool causal) {
+  AutoOptions o;
+  kw.get("scale", o.scale);
+  kw.get("target_error", o.target_error);
+  kw.get("probe_rows", o.probe_rows);
+  kw.get("max_overhead", o.max_overhead);
+  kw.get("safety", o.safety);
+  kw.get("eva_min_target", o.eva_min_target);
+  kw.get("seed", o.seed);
+  kw.get("allow_wildcat", o.allow_wildcat);
+  kw.get("allow_eva", o.allow_eva);
+  kw.finish();
+  o.causal = causal;
+  return by_dtype(p.dtype, [&](auto tag) {
+    using S = typename decltype(tag)::type;
+    return run_packed<AutoAttention<S>>(p, o, "auto");
   });
 }
 

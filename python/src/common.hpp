@@ -250,6 +250,13 @@ void fill_extras(KepSvgpResult<S>& r, py::dict& e) {
   e["singular_values"] = own_matrix(std::move(r.ksvd.lambda));
 }
 
+template <typename S>
+void fill_extras(AutoResult<S>& r, py::dict& e) {
+  e["chosen"] = std::string(to_string(r.method));
+  e["reason"] = r.reason;
+  if (r.lse.size() > 0) e["lse"] = own_matrix(std::move(r.lse));
+}
+
 template <typename R>
 void fill_diagnostics(const R& r, PyResult& out) {
   for (const Diagnostic& d : r.diagnostics()) out.diagnostics[d.name] = d.value;
@@ -383,6 +390,7 @@ PyResult run_vcc(const Packed& p, Kwargs& kw, bool causal);
 PyResult run_eva(const Packed& p, Kwargs& kw, bool causal);
 PyResult run_performer(const Packed& p, Kwargs& kw, bool causal);
 PyResult run_wildcat(const Packed& p, Kwargs& kw, bool causal);
+PyResult run_auto(const Packed& p, Kwargs& kw, bool causal);
 PyResult run_kep_svgp(const Packed& p, Kwargs& kw, bool causal);
 
 /// bf16 exact attention on uint16 arrays holding bf16 bit patterns (one head).

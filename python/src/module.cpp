@@ -155,10 +155,14 @@ SeqOffsets offsets_from(const py::object& obj, const char* name, const std::stri
 using Runner = PyResult (*)(const Packed&, Kwargs&, bool);
 
 const std::vector<std::pair<std::string, Runner>>& methods() {
-  static const std::vector<std::pair<std::string, Runner>> m = {
-      {"exact", run_exact},      {"conv_basis", run_conv_basis}, {"vcc", run_vcc},
-      {"eva", run_eva},          {"performer", run_performer},   {"wildcat", run_wildcat},
-      {"kep_svgp", run_kep_svgp}};
+  static const std::vector<std::pair<std::string, Runner>> m = {{"exact", run_exact},
+                                                                {"conv_basis", run_conv_basis},
+                                                                {"vcc", run_vcc},
+                                                                {"eva", run_eva},
+                                                                {"performer", run_performer},
+                                                                {"wildcat", run_wildcat},
+                                                                {"kep_svgp", run_kep_svgp},
+                                                                {"auto", run_auto}};
   return m;
 }
 
@@ -461,7 +465,8 @@ PYBIND11_MODULE(effattn, m) {
       "attention_backward(...), sdpa_backward(...)   gradients of exact / conv_basis\n"
       "compress_kv(k, v, ...), weighted_attention(q, cache, ...)   WildCat KV caches\n\n"
       "Methods: exact (policy tiled | naive | tiled_bf16), conv_basis, vcc, eva, performer,\n"
-      "wildcat, kep_svgp. Options are the C++ Options fields, as keyword arguments.\n"
+      "wildcat, kep_svgp, auto (the fastest that meets target_error). Options are the C++\n"
+      "Options fields, as keyword arguments.\n"
       "C-contiguous float32 / float64 inputs are read in place; other dtypes and layouts are\n"
       "converted once. Bad input raises ValueError, numerical failure FloatingPointError.\n"
       "Threads: OpenMP (OMP_NUM_THREADS). The GIL is released while a kernel runs.";
@@ -493,7 +498,7 @@ PYBIND11_MODULE(effattn, m) {
       "Method arrays and diagnostics are attributes too: lse (exact), "
       "offsets (conv_basis),\nsegments / vip (vcc), pivots / error_bound / "
       "row_error_bound (wildcat), variance /\nprior_variance / "
-      "singular_values (kep_svgp), copies, data_ptrs, dtype.")
+      "singular_values (kep_svgp), chosen / reason (auto), copies, data_ptrs, dtype.")
       .def_readonly("output", &ep::PyResult::output)
       .def_readonly("info", &ep::PyResult::info)
       .def_readonly("method", &ep::PyResult::method)
@@ -545,6 +550,10 @@ method:  'exact'       options: scale, block_q, block_k, policy ('tiled' | 'naiv
                        fit_temperature
          'kep_svgp'    rank, oversample, power_iters, rank_rtol, cov, prior, rbranch,
                        block_rows, seed
+         'auto'        target_error, probe_rows, max_overhead, safety, eva_min_target, seed,
+                       allow_wildcat, allow_eva (AutoAttention: the fastest of exact,
+                       wildcat and eva meeting target_error on sampled exact rows; the
+                       Result's chosen, reason and diagnostics say which and why)
          every method: scale (0 = 1/sqrt(d)).
 causal:  bottom-right aligned mask (query i sees keys j <= i + m - n); methods without a
          causal form raise ValueError when it is set.

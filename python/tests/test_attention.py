@@ -227,7 +227,7 @@ def test_docstrings():
         assert f.__doc__ and len(f.__doc__) > 100
     assert "kep_svgp" in effattn.attention.__doc__ and "GQA" in effattn.sdpa.__doc__
     assert effattn.methods == ("exact", "conv_basis", "vcc", "eva", "performer", "wildcat",
-                               "kep_svgp")
+                               "kep_svgp", "auto")
     assert effattn.active_isa() in ("amx", "avx512bf16", "generic")
 
 
@@ -252,3 +252,22 @@ def test_bf16(rng):
         effattn.attention(qb, k, v)
     with pytest.raises(ValueError, match="exact"):
         effattn.attention(qb, kb, vb, method="wildcat")
+
+
+def test_auto_meets_its_target_and_says_why():
+    q, k, v = effattn.workload("sphere", 2048, 64, seed=9)
+    ref, _ = softmax_attention(q, k, v)
+    # A probe budget that makes WildCat affordable at this n (the default affords it from
+    # n ~ 16384 on): the choice is exercised, not the cost model.
+    r = effattn.attention(q, k, v, method="auto", target_error=0.05, max_overhead=50)
+    assert r.chosen == "wildcat" and "wildcat" in r.reason
+    assert rel_err(r.output, ref) <= 0.05
+    assert 0 < r.diagnostics["estimated_error"] <= 0.9 * 0.05
+    # Default budget at this size: exact attention, with its lse and bits.
+    e = effattn.attention(q, k, v, method="auto")
+    assert e.chosen == "exact" and e.diagnostics["probe_rows"] == 0
+    # Exact attention through the per-head path (column-major copies): equal to the in-place
+    # row-major kernel up to round-off (measured 5e-8 relative).
+    assert rel_err(e.output, effattn.attention(q, k, v).output) < 1e-6
+    with pytest.raises(ValueError, match="safety"):
+        effattn.attention(q, k, v, method="auto", safety=2.0)
