@@ -6,6 +6,7 @@
 #include <catch2/catch.hpp>
 
 #include <effattn/auto.hpp>
+#include <effattn/eva.hpp>
 #include <effattn/multi_head.hpp>
 #include <effattn/workloads.hpp>
 
@@ -75,6 +76,37 @@ TEMPLATE_TEST_CASE("exact_rows equals the loop oracle on its rows, causal or not
       }
     }
   }
+}
+
+TEMPLATE_TEST_CASE("estimate_relative_error tracks the true error of any method's output",
+                   "[auto][probe]", float, double) {
+  const Index n = 1024;
+  const auto w = workloads::make<TestType>(workloads::Kind::Clustered, n, 32, 6);
+  for (const bool causal : {false, true}) {
+    ExactOptions eo;
+    eo.causal = causal;
+    const Matrix<double> ref = exact_ref(w, causal);
+    EvaOptions o;
+    o.causal = causal;
+    const Matrix<TestType> approx = EvaAttention<TestType>(o)(w.Q, w.K, w.V);
+    const double truth = rel_fro_error(approx, ref);
+    // All rows: the estimate is the true error up to round-off.
+    CHECK(std::abs(estimate_relative_error<TestType>(w.Q, w.K, w.V, approx, causal, n) - truth) <
+          1e-3 * truth);
+    // 128 rows: within a factor 1.5 here (EVA's error is spread over the rows).
+    const double est = estimate_relative_error<TestType>(w.Q, w.K, w.V, approx, causal, 128);
+    INFO("causal " << causal << " truth " << truth << " est " << est);
+    CHECK(est > truth / 1.5);
+    CHECK(est < truth * 1.5);
+    // Exact attention's own output: round-off.
+    const Matrix<TestType> ex = ExactAttention<TestType>(eo)(w.Q, w.K, w.V);
+    CHECK(estimate_relative_error<TestType>(w.Q, w.K, w.V, ex, causal) <
+          100 * effattn::testing::eps<TestType>());
+  }
+  require_invalid_argument(
+      [&] { (void)estimate_relative_error<TestType>(w.Q, w.K, w.V, w.Q.topRows(3)); }, "output");
+  require_invalid_argument(
+      [&] { (void)estimate_relative_error<TestType>(w.Q, w.K, w.V, w.V, false, 0); }, "rows");
 }
 
 TEMPLATE_TEST_CASE("AutoAttention conforms at its defaults", "[auto][conformance]", float, double) {

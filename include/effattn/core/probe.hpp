@@ -1,7 +1,8 @@
 /// \file probe.hpp
 /// \brief A-posteriori error estimates from sampled exact rows: draw s query rows, compute their
 /// exact softmax attention (O(s m (d + dv)), no n x m matrix), and compare an approximation's
-/// rows with them. Used by `AutoAttention` (effattn/auto.hpp).
+/// rows with them. Used by `AutoAttention` (effattn/auto.hpp); `estimate_relative_error` is the
+/// public entry point for any method's output.
 ///
 /// The estimate of the relative Frobenius error ||O - Ohat||_F / ||O||_F is the same ratio over
 /// the sampled rows: unbiased in numerator and denominator separately for uniform samples, and
@@ -14,6 +15,7 @@
 #include <limits>
 #include <vector>
 
+#include "errors.hpp"
 #include "parallel.hpp"
 #include "random.hpp"
 #include "types.hpp"
@@ -107,4 +109,41 @@ double relative_error(const Eigen::MatrixBase<DA>& A, const Matrix<double>& B) {
 }
 
 }  // namespace detail
+
+/// \brief A-posteriori estimate of the relative Frobenius error ||O - Ohat||_F / ||O||_F of any
+/// method's output `approx` (n x dv) for Q (n x d), K (m x d), V (m x dv): the same ratio over
+/// `rows` query rows drawn uniformly with `seed`, whose exact attention is computed in double.
+/// O(rows m (d + dv)) time, O(16 m) memory per thread; no n x m matrix.
+///
+/// Works for every functor's output (EVA, Conv-Basis, KEP-SVGP, VCC's VIP rows excepted); WildCat
+/// and AutoAttention compute it themselves (`target_error`). It is an estimate, not a bound: rare
+/// rows much worse than the rest are seen only if sampled.
+/// \param scale logit scale (0 = 1/sqrt(d)), as the method's Options::scale.
+/// \param causal bottom-right aligned causal mask (requires m >= n).
+/// \throws effattn::invalid_argument on mismatched shapes, rows < 1, or causal with m < n.
+template <typename Scalar>
+double estimate_relative_error(const ConstRef<Scalar>& Q, const ConstRef<Scalar>& K,
+                               const ConstRef<Scalar>& V, const ConstRef<Scalar>& approx,
+                               bool causal = false, Index rows = 64, double scale = 0,
+                               std::uint64_t seed = 0x5eedULL) {
+  const Index n = Q.rows(), m = K.rows();
+  EFFATTN_CHECK(n > 0 && m > 0 && Q.cols() == K.cols() && V.rows() == m && approx.rows() == n &&
+                    approx.cols() == V.cols(),
+                detail::cat("estimate_relative_error: need Q n x d, K m x d, V m x dv and the "
+                            "output n x dv; got Q ",
+                            detail::shape(Q), ", K ", detail::shape(K), ", V ", detail::shape(V),
+                            ", output ", detail::shape(approx)));
+  EFFATTN_CHECK(rows >= 1, detail::cat("estimate_relative_error: rows must be >= 1; got ", rows));
+  EFFATTN_CHECK(
+      !causal || m >= n,
+      detail::cat("estimate_relative_error: causal needs m >= n; got n = ", n, ", m = ", m));
+  EFFATTN_CHECK(std::isfinite(scale) && scale >= 0,
+                detail::cat("estimate_relative_error: scale must be finite and >= 0; got ", scale));
+  const double beta = scale > 0 ? scale : 1.0 / std::sqrt(static_cast<double>(Q.cols()));
+  const std::vector<Index> r = detail::sample_rows(n, rows, seed, 0xe57ULL);
+  const Matrix<Scalar> Qs = detail::gather_rows<Scalar>(Q, r);
+  const Matrix<double> ref = detail::exact_rows<Scalar>(Qs, r, n, K, V, beta, causal);
+  return detail::relative_error(detail::gather_rows<Scalar>(approx, r), ref);
+}
+
 }  // namespace effattn
