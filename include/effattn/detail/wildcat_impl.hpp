@@ -17,6 +17,7 @@
 #include "../core/checks.hpp"
 #include "../core/errors.hpp"
 #include "../core/parallel.hpp"
+#include "../core/probe.hpp"
 #include "../core/random.hpp"
 #include "../core/types.hpp"
 #include "../numerics/lambert_w.hpp"
@@ -437,49 +438,6 @@ void wildcat_attend(const ConstRef<Scalar>& Q, const CompressedKV<Scalar>& ckv, 
   res.info = all_finite(res.output) ? Info::Success : Info::NumericalIssue;
 }
 
-/// `s` distinct query rows in [0, n), increasing, drawn uniformly (partial Fisher-Yates on the
-/// stream derive_seed(seed, 0x7a26e7)).
-inline std::vector<Index> wildcat_sample_rows(Index n, Index s, std::uint64_t seed) {
-  std::vector<Index> all(static_cast<std::size_t>(n));
-  for (Index i = 0; i < n; ++i) all[static_cast<std::size_t>(i)] = i;
-  Rng rng = make_rng(seed, 0x7a26e7ULL);
-  for (Index i = 0; i < s; ++i) {
-    const auto j =
-        i + std::min(n - i - 1, static_cast<Index>(uniform01(rng) * static_cast<double>(n - i)));
-    std::swap(all[static_cast<std::size_t>(i)], all[static_cast<std::size_t>(j)]);
-  }
-  all.resize(static_cast<std::size_t>(s));
-  std::sort(all.begin(), all.end());
-  return all;
-}
-
-/// Exact softmax attention of the rows Qs (s x d) over K, V in Scalar (max-shifted, one GEMM of
-/// K against 16 queries at a time, chunks in parallel with serial GEMMs: the same bits for any
-/// thread count). O(s m (d + dv)).
-template <typename Scalar>
-Matrix<double> wildcat_exact_rows(const Matrix<Scalar>& Qs, const ConstRef<Scalar>& K,
-                                  const ConstRef<Scalar>& V, double beta) {
-  const Index s = Qs.rows(), m = K.rows(), dv = V.cols();
-  constexpr Index kChunk = 16;
-  Matrix<double> out(s, dv);
-  parallel_for((s + kChunk - 1) / kChunk, [&] { return Matrix<Scalar>(m, kChunk); },
-               [&](Index t, Matrix<Scalar>& Z) {
-                 const Index i0 = t * kChunk, c = std::min(kChunk, s - i0);
-                 auto Zc = Z.leftCols(c);
-                 Zc.noalias() = K * (Qs.middleRows(i0, c).transpose() * static_cast<Scalar>(beta));
-                 for (Index j = 0; j < c; ++j) {
-                   const Scalar mx = Zc.col(j).maxCoeff();
-                   Zc.col(j) = (Zc.col(j).array() - mx).exp();
-                 }
-                 const Matrix<Scalar> num = V.transpose() * Zc;  // dv x c
-                 for (Index j = 0; j < c; ++j)
-                   out.row(i0 + j) = (num.col(j).template cast<double>() /
-                                      static_cast<double>(Zc.col(j).template cast<double>().sum()))
-                                         .transpose();
-               });
-  return out;
-}
-
 /// WildCat with an error target (Options::target_error > 0; see there): compress with a
 /// residual-trace tolerance, estimate the relative Frobenius error on sampled query rows against
 /// their exact attention, tighten and recompress until the estimate meets the target (or the
@@ -492,10 +450,10 @@ bool wildcat_compute_targeted(const ConstRef<Scalar>& Q, const ConstRef<Scalar>&
                               WildcatResult<Scalar>& res) {
   const Index n = Q.rows();
   const Index s = std::min(n, o.error_sample_rows);
-  const std::vector<Index> rows = wildcat_sample_rows(n, s, o.seed);
-  Matrix<Scalar> Qs(s, Q.cols());
-  for (Index i = 0; i < s; ++i) Qs.row(i) = Q.row(rows[static_cast<std::size_t>(i)]);
-  const Matrix<double> exact = wildcat_exact_rows<Scalar>(Qs, K, V, beta);
+  // The sampled rows and their exact attention: core/probe.hpp (shared with AutoAttention).
+  const std::vector<Index> rows = sample_rows(n, s, o.seed, 0x7a26e7ULL);
+  const Matrix<Scalar> Qs = gather_rows<Scalar>(Q, rows);
+  const Matrix<double> exact = exact_rows<Scalar>(Qs, rows, n, K, V, beta, false);
   const double ref = std::max(exact.norm(), std::numeric_limits<double>::min());
   constexpr int kMaxRounds = 4;
   WildcatOptions oi = o;
