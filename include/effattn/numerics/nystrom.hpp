@@ -40,6 +40,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "../core/checks.hpp"
@@ -144,7 +145,10 @@ Vector<Scalar> exp_dot_log_scales(const Vector<Scalar>& hs, Scalar c,
   return out;
 }
 
-/// W B = A^{-1} (F B) (see `nystrom_apply`); B is any dense matrix type with m rows.
+/// W B = A^{-1} (F B) (see `nystrom_apply`); B is any dense matrix type with m rows. The k x c
+/// back-substitution runs in double whatever Scalar (O(k^2 c), small next to the O(k m c) GEMM):
+/// A is as ill-conditioned as the pivot residuals are small, and a float solve would add its own
+/// cond(A) eps_f on top of the rounding of F B.
 template <typename Scalar, typename RhsB>
 Matrix<Scalar> nystrom_apply_to(const RpCholeskyResult<Scalar>& rpc, const RhsB& B,
                                 const char* who) {
@@ -153,7 +157,14 @@ Matrix<Scalar> nystrom_apply_to(const RpCholeskyResult<Scalar>& rpc, const RhsB&
   const Matrix<Scalar> A = nystrom_pivot_block(rpc, who);
   Matrix<Scalar> X;
   factor_times(rpc.factor, B, X);
-  nystrom_back_substitute(A, X);
+  if constexpr (std::is_same_v<Scalar, double>) {
+    nystrom_back_substitute(A, X);
+  } else {
+    const Matrix<double> Ad = A.template cast<double>();
+    Matrix<double> Xd = X.template cast<double>();
+    nystrom_back_substitute(Ad, Xd);
+    X = Xd.template cast<Scalar>();
+  }
   return X;
 }
 
