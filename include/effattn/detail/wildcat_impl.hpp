@@ -126,7 +126,7 @@ void wildcat_compress_bin(const Matrix<double>& Kc, const ConstRef<Scalar>& V, I
   blk.tokens = mb;
   blk.first_token = k0;
   blk.centre = shift.transpose();  // the bin is centred at the global mean: 0 + shift
-  blk.key_radius = std::sqrt(Kbd.rowwise().squaredNorm().maxCoeff());
+  blk.key_radius = std::sqrt(row_squared_norms(Kbd).maxCoeff());
   const double rq = q_radius < 0 ? blk.key_radius : q_radius;
   if (mb <= per_bin) {  // exact path: every key kept with weight 1
     blk.exact = true;
@@ -336,7 +336,7 @@ void wtd_tile(const WtdContext<Scalar>& cx, const ConstRef<Scalar>& Q, const Wil
   N.noalias() = cx.augT * Z;  // (dv + 2) x t: numerators, denominator, |w|-denominator
   if (cx.centresT.size() > 0)
     ws.C.topRows(t).noalias() = Q.middleRows(i0, t).template cast<double>() * cx.centresT;
-  const Vector<double> qnorm = Q.middleRows(i0, t).template cast<double>().rowwise().norm();
+  const Vector<double> qnorm = row_squared_norms(Q.middleRows(i0, t)).cwiseSqrt();
   auto O = ws.O.leftCols(t);
   for (Index j = 0; j < t; ++j) {
     const Scalar den = N(dv, j), absden = N(dv + 1, j);
@@ -567,9 +567,8 @@ WildcatResult<Scalar_> WildcatAttention<Scalar_, PivotRule>::compute(const Ref& 
                                                                      const Ref& V) const {
   detail::check_attention_inputs(Q, K, V, "WildcatAttention");
   const double beta = detail::resolve_scale(m_opts.scale, Q.cols());
-  const double rq = m_opts.q_radius > 0
-                        ? m_opts.q_radius
-                        : std::sqrt(Q.template cast<double>().rowwise().squaredNorm().maxCoeff());
+  const double rq =
+      m_opts.q_radius > 0 ? m_opts.q_radius : std::sqrt(detail::row_squared_norms(Q).maxCoeff());
   CompressedKV<Scalar> ckv;
   Result res;
   const bool ok =

@@ -93,17 +93,16 @@ using non_deduced_t = typename non_deduced<T>::type;
 /// A = F(:, S) (k x k, upper triangular in pivot order) of an RPCholesky result.
 /// \throws effattn::invalid_argument if the factor is not k x m with k = pivots.size() or a pivot
 ///         is out of range (i.e. `rpc` is not an RpCholesky result).
-template <typename Scalar>
-Matrix<Scalar> nystrom_pivot_block(const RpCholeskyResult<Scalar>& rpc, const char* who) {
+/// Gathered row by row in increasing column order (`gather_columns`). \tparam Out the scalar of A.
+template <typename Scalar, typename Out = Scalar>
+Matrix<Out> nystrom_pivot_block(const RpCholeskyResult<Scalar>& rpc, const char* who) {
   const Index k = rpc.rank(), m = rpc.factor.cols();
   EFFATTN_CHECK(rpc.factor.rows() == k, cat(who, ": the factor must have one row per pivot (", k,
                                             "); got ", shape(rpc.factor)));
-  Matrix<Scalar> A(k, k);
-  for (Index j = 0; j < k; ++j) {
-    const Index s = rpc.pivots[static_cast<std::size_t>(j)];
+  for (Index s : rpc.pivots)
     EFFATTN_CHECK(s >= 0 && s < m, cat(who, ": pivot ", s, " out of range [0, ", m, ")"));
-    A.col(j) = rpc.factor.col(s);
-  }
+  RowMajorMatrix<Out> A;
+  gather_columns(rpc.factor, k, rpc.pivots, A);
   return A;
 }
 
@@ -154,15 +153,14 @@ Matrix<Scalar> nystrom_apply_to(const RpCholeskyResult<Scalar>& rpc, const RhsB&
                                 const char* who) {
   EFFATTN_CHECK(B.rows() == rpc.factor.cols(),
                 cat(who, ": B must have m = ", rpc.factor.cols(), " rows; got ", shape(B)));
-  const Matrix<Scalar> A = nystrom_pivot_block(rpc, who);
+  const Matrix<double> A = nystrom_pivot_block<Scalar, double>(rpc, who);
   Matrix<Scalar> X;
   factor_times(rpc.factor, B, X);
   if constexpr (std::is_same_v<Scalar, double>) {
     nystrom_back_substitute(A, X);
   } else {
-    const Matrix<double> Ad = A.template cast<double>();
     Matrix<double> Xd = X.template cast<double>();
-    nystrom_back_substitute(Ad, Xd);
+    nystrom_back_substitute(A, Xd);
     X = Xd.template cast<Scalar>();
   }
   return X;
