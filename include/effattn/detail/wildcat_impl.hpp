@@ -266,15 +266,28 @@ bool wildcat_compress_all(const ConstRef<Scalar>& K, const ConstRef<Scalar>& V, 
                           double q_radius, const WildcatOptions& o, bool add_back,
                           CompressedKV<Scalar>& ckv) {
   const Index m = K.rows(), d = K.cols(), dv = V.cols();
-  const RowVector<double> kbar = K.template cast<double>().colwise().mean();
+  RowVector<double> kbar(d);
   Matrix<double> Kc(m, d);
   advise_huge_pages(Kc);
-  Kc = K.template cast<double>().rowwise() - kbar;
   ckv = CompressedKV<Scalar>();
   ckv.keys.resize(0, d);
   ckv.values.resize(0, dv);
-  ckv.vmin = V.colwise().minCoeff();
-  ckv.vmax = V.colwise().maxCoeff();
+  ckv.vmin.resize(dv);
+  ckv.vmax.resize(dv);
+  // Column by column in parallel (these O(m (d + dv)) passes were serial: about 5% of WildCat's
+  // time at n = 65536); each column is computed the same way on any thread.
+  parallel_for(
+      std::max(d, dv), [] { return 0; },
+      [&](Index c, int&) {
+        if (c < d) {
+          kbar(c) = K.col(c).template cast<double>().mean();
+          Kc.col(c) = K.col(c).template cast<double>().array() - kbar(c);
+        }
+        if (c < dv) {
+          ckv.vmin(c) = V.col(c).minCoeff();
+          ckv.vmax(c) = V.col(c).maxCoeff();
+        }
+      });
   const bool ok = wildcat_compress<Rule, Scalar>(
       Kc, V, beta, q_radius, o, o.seed, add_back ? kbar : RowVector<double>::Zero(d), 0, ckv);
   ckv.tokens = m;
