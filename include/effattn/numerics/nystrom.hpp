@@ -95,7 +95,7 @@ using non_deduced_t = typename non_deduced<T>::type;
 ///         is out of range (i.e. `rpc` is not an RpCholesky result).
 /// Gathered row by row in increasing column order (`gather_columns`). \tparam Out the scalar of A.
 template <typename Scalar, typename Out = Scalar>
-Matrix<Out> nystrom_pivot_block(const RpCholeskyResult<Scalar>& rpc, const char* who) {
+RowMajorMatrix<Out> nystrom_pivot_block(const RpCholeskyResult<Scalar>& rpc, const char* who) {
   const Index k = rpc.rank(), m = rpc.factor.cols();
   EFFATTN_CHECK(rpc.factor.rows() == k, cat(who, ": the factor must have one row per pivot (", k,
                                             "); got ", shape(rpc.factor)));
@@ -153,7 +153,7 @@ Matrix<Scalar> nystrom_apply_to(const RpCholeskyResult<Scalar>& rpc, const RhsB&
                                 const char* who) {
   EFFATTN_CHECK(B.rows() == rpc.factor.cols(),
                 cat(who, ": B must have m = ", rpc.factor.cols(), " rows; got ", shape(B)));
-  const Matrix<double> A = nystrom_pivot_block<Scalar, double>(rpc, who);
+  const RowMajorMatrix<double> A = nystrom_pivot_block<Scalar, double>(rpc, who);
   Matrix<Scalar> X;
   factor_times(rpc.factor, B, X);
   if constexpr (std::is_same_v<Scalar, double>) {
@@ -177,7 +177,7 @@ Matrix<Scalar> nystrom_apply_to(const RpCholeskyResult<Scalar>& rpc, const RhsB&
 ///         is out of range (i.e. `rpc` is not an RpCholesky result).
 template <typename Scalar>
 [[nodiscard]] NystromResult<Scalar> nystrom_weights(const RpCholeskyResult<Scalar>& rpc) {
-  const Matrix<Scalar> A = detail::nystrom_pivot_block(rpc, "nystrom_weights");
+  const RowMajorMatrix<Scalar> A = detail::nystrom_pivot_block(rpc, "nystrom_weights");
   NystromResult<Scalar> out;
   out.landmarks = rpc.pivots;
   out.weights = rpc.factor;
