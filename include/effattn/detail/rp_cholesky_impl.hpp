@@ -8,6 +8,13 @@
 /// (rows [0, k) hold the k pivots taken so far), res the residual diagonal diag(K - F^T F) with
 /// entries <= tol set to zero, and p_l = w_l res_l the unnormalised pivot distribution, whose sum
 /// is the (weighted) residual trace.
+///
+/// Precision split: the O(r m d) kernel rows and the O(r^2 m) factor updates (GEMM, triangular
+/// solve by column tiles) run in the kernel's selection scalar S, the sequential bookkeeping in
+/// double whatever S: res, w, the sampling prefix sums, the traces, the candidates' b x b residual
+/// block and its rejection Cholesky. With S = double every value is what it was before the split
+/// (the same operations on the same types); with S = float the GEMMs run at float speed (about
+/// 2x) while sampling and the stopping rules keep double round-off (see `RpWork::commit_row`).
 #pragma once
 
 #include <algorithm>
@@ -26,6 +33,26 @@
 
 namespace effattn {
 namespace detail {
+
+/// out(i) = sum_c X(i, c)^2 in double, column by column: contiguous and vectorised for a
+/// column-major X, where Eigen's rowwise() reduction walks every row with stride X.rows() (it was
+/// 2-3% of WildCat at n = 16384 for the query norms alone).
+/// Chunks of 4096 rows run in parallel (serially inside an enclosing region); the result does
+/// not depend on the thread count.
+template <typename Derived>
+Vector<double> row_squared_norms(const Eigen::MatrixBase<Derived>& X) {
+  constexpr Index kChunk = 4096;
+  const Index n = X.rows();
+  Vector<double> out = Vector<double>::Zero(n);
+  auto chunk = [&](Index t) {
+    const Index i0 = t * kChunk, h = std::min(kChunk, n - i0);
+    for (Index c = 0; c < X.cols(); ++c)
+      out.segment(i0, h).array() +=
+          X.col(c).segment(i0, h).template cast<double>().array().square();
+  };
+  parallel_for_if(n > kChunk, (n + kChunk - 1) / kChunk, chunk);
+  return out;
+}
 
 /// Compile-time check of the Kernel concept with one readable message per missing piece.
 template <typename K>
@@ -61,16 +88,17 @@ void rp_principal_submatrix(const K& kernel, const std::vector<Index>& idx, Out&
 
 // ---- The pivot rules ----
 
-/// Working state shared by the three pivot rules; becomes the result at the end.
+/// Working state shared by the three pivot rules; becomes the result at the end. F is in the
+/// selection scalar S, everything else in double (see the file documentation).
 template <typename S>
 struct RpWork {
   Index m = 0;                 ///< kernel size
   Index r = 0;                 ///< pivot budget, min(rank, m)
-  S tol = 0;                   ///< residuals <= tol are zero (round-off threshold)
+  double tol = 0;              ///< residuals <= tol are zero (round-off threshold)
   double rel_tol = 0;          ///< stop once trace <= rel_tol * trace[0] (0 = off)
   RowMajorMatrix<S> F;         ///< r x m; rows [0, k) are final
-  Vector<S> res;               ///< residual diagonal (thresholded)
-  Vector<S> w;                 ///< sampling weights; empty = all ones
+  Vector<double> res;          ///< residual diagonal (thresholded)
+  Vector<double> w;            ///< sampling weights; empty = all ones
   std::vector<double> prefix;  ///< cumulative sums of p, for inverse-CDF sampling
   std::vector<Index> pivots;   ///< pivots taken, in order
   std::vector<double> trace;   ///< weighted residual trace after 0, 1, ..., k pivots
@@ -81,19 +109,18 @@ struct RpWork {
 
   Index k() const { return static_cast<Index>(pivots.size()); }
 
-  /// sum_l w_l res_l, in double.
+  /// sum_l w_l res_l.
   double weighted_trace() const {
-    if (w.size() == 0) return res.template cast<double>().sum();
-    return (w.array().template cast<double>() * res.array().template cast<double>()).sum();
+    if (w.size() == 0) return res.sum();
+    return (w.array() * res.array()).sum();
   }
 
-  /// prefix[l] = p_0 + ... + p_l in double (left to right); returns the total.
+  /// prefix[l] = p_0 + ... + p_l (left to right); returns the total.
   double build_prefix() {
     prefix.resize(static_cast<std::size_t>(m));
     double acc = 0;
     for (Index l = 0; l < m; ++l) {
-      acc += w.size() == 0 ? static_cast<double>(res(l))
-                           : static_cast<double>(w(l)) * static_cast<double>(res(l));
+      acc += w.size() == 0 ? res(l) : w(l) * res(l);
       prefix[static_cast<std::size_t>(l)] = acc;
     }
     return acc;
@@ -128,8 +155,10 @@ struct RpWork {
 
   /// Finalises factor row `row` (already K(pivot,:) - F^T F(:,pivot) scaled by 1/sqrt(res)):
   /// zeroes it at the earlier pivots (exact triangular structure of F(:, S), which round-off would
-  /// otherwise blur), subtracts its square from the residuals, thresholds them, and records the
-  /// pivot and the new trace. Returns false (and marks a breakdown) for a non-finite row.
+  /// otherwise blur), subtracts its square from the residuals (in double: a float row's squares
+  /// are exact in double, so the residuals accumulate no float round-off of their own), thresholds
+  /// them, and records the pivot and the new trace. Returns false (and marks a breakdown) for a
+  /// non-finite row.
   bool commit_row(Index row, Index pivot) {
     auto f = F.row(row);
     // |f|^2 is finite iff every entry is (F entries are bounded by sqrt(max diag) in exact
@@ -140,9 +169,9 @@ struct RpWork {
       return false;
     }
     for (Index p : pivots) f(p) = S(0);
-    const auto updated = res.array() - f.transpose().array().square();
-    res.array() = (updated > tol).select(updated, S(0));  // one pass; negatives clamp to 0
-    res(pivot) = S(0);
+    const auto updated = res.array() - f.transpose().array().template cast<double>().square();
+    res.array() = (updated > tol).select(updated, 0.0);  // one pass; negatives clamp to 0
+    res(pivot) = 0;
     pivots.push_back(pivot);
     trace.push_back(weighted_trace());
     return true;
@@ -160,7 +189,7 @@ struct RpWork {
       g.head(k0) = F.col(s).head(k0);
       row.noalias() -= g.head(k0).transpose() * F.topRows(k0);
     }
-    row /= std::sqrt(res(s));
+    row /= static_cast<S>(std::sqrt(res(s)));
     commit_row(k0, s);
   }
 };
@@ -187,13 +216,31 @@ void rp_run_greedy(const Kernel& kernel, RpWork<S>& st) {
     Index s = 0;
     double best = -1;
     for (Index l = 0; l < st.m; ++l) {
-      const double p = st.w.size() == 0
-                           ? static_cast<double>(st.res(l))
-                           : static_cast<double>(st.w(l)) * static_cast<double>(st.res(l));
+      const double p = st.w.size() == 0 ? st.res(l) : st.w(l) * st.res(l);
       if (p > best) best = p, s = l;
     }
     ++st.proposals;
     st.add_single_pivot(kernel, s, one, g);
+  }
+}
+
+/// out(i, j) = F(i, cols[j]) for i < rows (out: rows x |cols|, row-major, any scalar): row by row
+/// and in increasing column order. F is row-major, so a column walk strides by m (a TLB miss per
+/// entry) and an unordered gather a cache miss per entry; sorted, each row of F streams through
+/// the cache once (nystrom_pivot_block was 7% of WildCat at m = 4096, r = 1024 before).
+template <typename S, typename Out>
+void gather_columns(const RowMajorMatrix<S>& F, Index rows, const std::vector<Index>& cols,
+                    RowMajorMatrix<Out>& out) {
+  const auto c = static_cast<Index>(cols.size());
+  std::vector<std::pair<Index, Index>> order(static_cast<std::size_t>(c));
+  for (Index j = 0; j < c; ++j)
+    order[static_cast<std::size_t>(j)] = {cols[static_cast<std::size_t>(j)], j};
+  std::sort(order.begin(), order.end());
+  out.resize(rows, c);
+  for (Index i = 0; i < rows; ++i) {
+    const S* Fi = F.row(i).data();
+    Out* oi = out.row(i).data();
+    for (const auto& [col, j] : order) oi[j] = static_cast<Out>(Fi[col]);
   }
 }
 
@@ -203,9 +250,17 @@ void rp_run_greedy(const Kernel& kernel, RpWork<S>& st) {
 /// diagonal panels with scalar code (measured: 2x slower than GEMM for a ~ 170, m = 16384).
 template <typename S>
 void lower_solve_in_place(const Eigen::Ref<const Matrix<S>>& L, RowsRef<S> R) {
+  constexpr Index kLeaf = 16;
   const Index a = L.rows();
-  if (a <= 16) {
-    L.template triangularView<Eigen::Lower>().solveInPlace(R);
+  if (a <= kLeaf) {
+    // Row-oriented forward substitution: each step is a vectorised AXPY along a contiguous row of
+    // R (Eigen's TRSM spent more on packing these small panels than on their flops: 9% of a float
+    // selection at m = 16384, r = 256).
+    for (Index i = 0; i < a; ++i) {
+      auto Ri = R.row(i);
+      for (Index j = 0; j < i; ++j) Ri -= L(i, j) * R.row(j);
+      Ri /= L(i, i);
+    }
     return;
   }
   const Index h = a / 2;
@@ -273,9 +328,13 @@ inline Index rp_auto_block(Index m, Index remaining, double last_rate) {
 template <typename S, typename Kernel>
 void rp_run_accelerated(const Kernel& kernel, RpWork<S>& st, Rng& rng, Index block_option) {
   std::vector<Index> cand, accepted, idx;
-  std::vector<S> u0;
-  Matrix<S> H, L, Fc, Fa;
-  Vector<S> y;
+  std::vector<double> u0;
+  Matrix<S> H;           // the candidates' residual block (upper triangle)
+  Matrix<double> L;      // its rejection Cholesky factor
+  Matrix<S> Ls;          // L in S for the tile solves
+  RowMajorMatrix<S> Fc;  // F(:, c) (see gather_columns)
+  Matrix<S> Fa;
+  Vector<double> y;
   double last_rate = 1.0;
   while (!st.should_stop()) {
     const Index k0 = st.k(), remaining = st.r - k0;
@@ -291,13 +350,14 @@ void rp_run_accelerated(const Kernel& kernel, RpWork<S>& st, Rng& rng, Index blo
     st.proposals += b;
     ++st.blocks;
 
-    // Residual block H = K(c, c) - F(:, c)^T F(:, c), lower triangle (a GEMM-shaped update).
+    // Residual block H = K(c, c) - F(:, c)^T F(:, c), upper triangle (a GEMM-shaped update, in
+    // S). The rejection loop reads its entries in double where it needs them, O(b a) of them
+    // (column j above the diagonal: contiguous), instead of converting the b x b block.
     if (H.rows() < b) H.resize(b, b), advise_huge_pages(H);
     auto Hb = H.topLeftCorner(b, b);
+    gather_columns(st.F, k0, cand, Fc);
     rp_principal_submatrix<Kernel, S>(kernel, cand, Hb);
-    Fc.resize(k0, b);
-    for (Index j = 0; j < b; ++j) Fc.col(j) = st.F.col(cand[static_cast<std::size_t>(j)]).head(k0);
-    if (k0 > 0) Hb.template selfadjointView<Eigen::Lower>().rankUpdate(Fc.transpose(), S(-1));
+    if (k0 > 0) Hb.template selfadjointView<Eigen::Upper>().rankUpdate(Fc.transpose(), S(-1));
 
     // Rejection Cholesky in candidate order, left-looking: candidate j's row of the block factor
     // against the a candidates accepted so far, y = L^{-1} H(accepted, j), gives its current
@@ -307,14 +367,13 @@ void rp_run_accelerated(const Kernel& kernel, RpWork<S>& st, Rng& rng, Index blo
     accepted.clear();
     Index examined = 0, a = 0;
     for (Index j = 0; j < b && a < remaining; ++j, ++examined) {
-      for (Index p = 0; p < a; ++p) y(p) = Hb(j, accepted[static_cast<std::size_t>(p)]);
+      for (Index p = 0; p < a; ++p)
+        y(p) = static_cast<double>(Hb(accepted[static_cast<std::size_t>(p)], j));
       if (a > 0)
         L.topLeftCorner(a, a).template triangularView<Eigen::Lower>().solveInPlace(y.head(a));
-      const S hjj = Hb(j, j) - y.head(a).squaredNorm();
+      const double hjj = static_cast<double>(Hb(j, j)) - y.head(a).squaredNorm();
       const double u = uniform01(rng);
-      if (!(hjj > st.tol) ||
-          u * static_cast<double>(u0[static_cast<std::size_t>(j)]) >= static_cast<double>(hjj))
-        continue;
+      if (!(hjj > st.tol) || u * u0[static_cast<std::size_t>(j)] >= hjj) continue;
       L.row(a).head(a) = y.head(a).transpose();
       L(a, a) = std::sqrt(hjj);
       accepted.push_back(j);
@@ -328,8 +387,8 @@ void rp_run_accelerated(const Kernel& kernel, RpWork<S>& st, Rng& rng, Index blo
       // residuals with the fresher values so the next block makes progress.
       for (Index j = 0; j < b; ++j) {
         const Index c = cand[static_cast<std::size_t>(j)];
-        const S h = Hb(j, j);
-        st.res(c) = h > st.tol ? std::min(h, st.res(c)) : S(0);
+        const double h = static_cast<double>(Hb(j, j));
+        st.res(c) = h > st.tol ? std::min(h, st.res(c)) : 0.0;
       }
       st.trace.back() = st.weighted_trace();
       continue;
@@ -350,13 +409,13 @@ void rp_run_accelerated(const Kernel& kernel, RpWork<S>& st, Rng& rng, Index blo
     // once per step of the solve (measured 15-20% faster at m = 16384, a ~ 170). Tiles are
     // independent: they run as one parallel loop (Eigen stays serial inside it), which also
     // avoids opening one OpenMP region per small GEMM.
-    const auto Lacc = L.topLeftCorner(a, a);
+    Ls = L.topLeftCorner(a, a).template cast<S>();  // (a copy when S = double: O(a^2))
     const Index tiles = (st.m + kRpTile - 1) / kRpTile;
     rp_for_tiles(tiles, a, [&](Index t) {
       const Index c0 = t * kRpTile, w = std::min(kRpTile, st.m - c0);
       auto Rt = R.middleCols(c0, w);
       if (k0 > 0) Rt.noalias() -= Fa.transpose() * st.F.topRows(k0).middleCols(c0, w);
-      lower_solve_in_place<S>(Lacc, Rt);
+      lower_solve_in_place<S>(Ls, Rt);
     });
     for (Index t = 0; t < a; ++t) {
       if (t > 0 && st.should_stop()) break;  // rel_tol / exhausted inside the block
@@ -381,11 +440,33 @@ class GaussianCore {
   void init_scaled(const ConstRef<In>& X, double f, Vector<double>& sq) {
     const auto Xs = X.template cast<double>() * f;
     const RowVector<double> mean = Xs.colwise().mean();
-    sq = Xs.rowwise().squaredNorm();
-    m_z.resize(X.cols(), X.rows());
+    sq = row_squared_norms(Xs);
+    const Index m = X.rows(), d = X.cols();
+    m_z.resize(d, m);
     advise_huge_pages(m_z);
-    m_z = (Xs.rowwise() - mean).transpose().template cast<S>();
-    m_half_sq = (0.5 * m_z.template cast<double>().colwise().squaredNorm()).template cast<S>();
+    // Transposed by blocks of kBlock points, reading each column of X contiguously: the block
+    // of m_z being written (d x kBlock) stays in L1, whereas a transposed assignment reads X
+    // with stride m per entry (a latency-bound gather: 5% of WildCat at n = 16384).
+    // Chunks of 1024 points run in parallel.
+    constexpr Index kBlock = 64, kChunk = 1024;
+    m_half_sq.resize(m);
+    parallel_for_if(m > kChunk, (m + kChunk - 1) / kChunk, [&](Index t) {
+      const Index e = std::min(m, (t + 1) * kChunk);
+      for (Index l0 = t * kChunk; l0 < e; l0 += kBlock) {
+        const Index w = std::min(kBlock, e - l0);
+        for (Index c = 0; c < d; ++c) {
+          const In* src = X.col(c).data() + l0;
+          const double mc = mean(c);
+          S* dst = m_z.data() + l0 * d + c;
+          for (Index j = 0; j < w; ++j)
+            dst[j * d] = static_cast<S>(static_cast<double>(src[j]) * f - mc);
+        }
+      }
+      const Index l0 = t * kChunk;
+      m_half_sq.segment(l0, e - l0) =
+          (0.5 * m_z.middleCols(l0, e - l0).template cast<double>().colwise().squaredNorm())
+              .template cast<S>();
+    });
   }
 
   /// `Xs`: the m x d points already multiplied by f, in double.
@@ -473,20 +554,26 @@ RpCholeskyResult<detail::kernel_scalar_t<Kernel>> RpCholesky<PivotRule>::compute
   EFFATTN_CHECK(st.m >= 1, detail::cat("RpCholesky: the kernel is empty (size ", st.m, ")"));
   st.r = std::min(m_opts.rank, st.m);
   st.rel_tol = m_opts.rel_tol;
-  st.res.resize(st.m);
-  kernel.diagonal(st.res);
-  EFFATTN_CHECK(st.res.allFinite() && (st.res.array() >= S(0)).all(),
-                "RpCholesky: Kernel::diagonal must be finite and >= 0");
-  if constexpr (detail::has_sampling_weights<Kernel>::value) {
-    st.w.resize(st.m);
-    kernel.sampling_weights(st.w);
-    EFFATTN_CHECK(st.w.allFinite() && (st.w.array() >= S(0)).all(),
-                  "RpCholesky: Kernel::sampling_weights must be finite and >= 0");
+  {
+    Vector<S> diag(st.m);
+    kernel.diagonal(diag);
+    EFFATTN_CHECK(diag.allFinite() && (diag.array() >= S(0)).all(),
+                  "RpCholesky: Kernel::diagonal must be finite and >= 0");
+    st.res = diag.template cast<double>();
   }
-  st.tol = static_cast<S>(m_opts.roundoff_factor *
-                          static_cast<double>(std::numeric_limits<S>::epsilon()) *
-                          static_cast<double>(st.res.maxCoeff()));
-  st.res = (st.res.array() > st.tol).select(st.res, S(0));
+  if constexpr (detail::has_sampling_weights<Kernel>::value) {
+    Vector<S> w(st.m);
+    kernel.sampling_weights(w);
+    EFFATTN_CHECK(w.allFinite() && (w.array() >= S(0)).all(),
+                  "RpCholesky: Kernel::sampling_weights must be finite and >= 0");
+    st.w = w.template cast<double>();
+  }
+  // The threshold follows the precision of F, whose round-off the residuals inherit: float rows
+  // carry ~eps_f relative errors, so a residual the exact arithmetic would make zero (a
+  // duplicated point after its twin) comes out as a few eps_f, not eps_d.
+  st.tol = m_opts.roundoff_factor * static_cast<double>(std::numeric_limits<S>::epsilon()) *
+           st.res.maxCoeff();
+  st.res = (st.res.array() > st.tol).select(st.res, 0.0);
   st.F.resize(st.r, st.m);
   detail::advise_huge_pages(st.F);
   st.initial_trace = st.weighted_trace();
@@ -507,7 +594,10 @@ RpCholeskyResult<detail::kernel_scalar_t<Kernel>> RpCholesky<PivotRule>::compute
   else
     out.factor = st.F.topRows(k);
   out.pivots = std::move(st.pivots);
-  out.residual_diagonal = std::move(st.res);
+  if constexpr (std::is_same_v<S, double>)
+    out.residual_diagonal = std::move(st.res);
+  else
+    out.residual_diagonal = st.res.template cast<S>();
   out.residual_trace = std::move(st.trace);
   out.initial_trace = st.initial_trace;
   out.stop = st.stop;

@@ -40,6 +40,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "../core/checks.hpp"
@@ -92,17 +93,16 @@ using non_deduced_t = typename non_deduced<T>::type;
 /// A = F(:, S) (k x k, upper triangular in pivot order) of an RPCholesky result.
 /// \throws effattn::invalid_argument if the factor is not k x m with k = pivots.size() or a pivot
 ///         is out of range (i.e. `rpc` is not an RpCholesky result).
-template <typename Scalar>
-Matrix<Scalar> nystrom_pivot_block(const RpCholeskyResult<Scalar>& rpc, const char* who) {
+/// Gathered row by row in increasing column order (`gather_columns`). \tparam Out the scalar of A.
+template <typename Scalar, typename Out = Scalar>
+RowMajorMatrix<Out> nystrom_pivot_block(const RpCholeskyResult<Scalar>& rpc, const char* who) {
   const Index k = rpc.rank(), m = rpc.factor.cols();
   EFFATTN_CHECK(rpc.factor.rows() == k, cat(who, ": the factor must have one row per pivot (", k,
                                             "); got ", shape(rpc.factor)));
-  Matrix<Scalar> A(k, k);
-  for (Index j = 0; j < k; ++j) {
-    const Index s = rpc.pivots[static_cast<std::size_t>(j)];
+  for (Index s : rpc.pivots)
     EFFATTN_CHECK(s >= 0 && s < m, cat(who, ": pivot ", s, " out of range [0, ", m, ")"));
-    A.col(j) = rpc.factor.col(s);
-  }
+  RowMajorMatrix<Out> A;
+  gather_columns(rpc.factor, k, rpc.pivots, A);
   return A;
 }
 
@@ -144,16 +144,25 @@ Vector<Scalar> exp_dot_log_scales(const Vector<Scalar>& hs, Scalar c,
   return out;
 }
 
-/// W B = A^{-1} (F B) (see `nystrom_apply`); B is any dense matrix type with m rows.
+/// W B = A^{-1} (F B) (see `nystrom_apply`); B is any dense matrix type with m rows. The k x c
+/// back-substitution runs in double whatever Scalar (O(k^2 c), small next to the O(k m c) GEMM):
+/// A is as ill-conditioned as the pivot residuals are small, and a float solve would add its own
+/// cond(A) eps_f on top of the rounding of F B.
 template <typename Scalar, typename RhsB>
 Matrix<Scalar> nystrom_apply_to(const RpCholeskyResult<Scalar>& rpc, const RhsB& B,
                                 const char* who) {
   EFFATTN_CHECK(B.rows() == rpc.factor.cols(),
                 cat(who, ": B must have m = ", rpc.factor.cols(), " rows; got ", shape(B)));
-  const Matrix<Scalar> A = nystrom_pivot_block(rpc, who);
+  const RowMajorMatrix<double> A = nystrom_pivot_block<Scalar, double>(rpc, who);
   Matrix<Scalar> X;
   factor_times(rpc.factor, B, X);
-  nystrom_back_substitute(A, X);
+  if constexpr (std::is_same_v<Scalar, double>) {
+    nystrom_back_substitute(A, X);
+  } else {
+    Matrix<double> Xd = X.template cast<double>();
+    nystrom_back_substitute(A, Xd);
+    X = Xd.template cast<Scalar>();
+  }
   return X;
 }
 
@@ -168,7 +177,7 @@ Matrix<Scalar> nystrom_apply_to(const RpCholeskyResult<Scalar>& rpc, const RhsB&
 ///         is out of range (i.e. `rpc` is not an RpCholesky result).
 template <typename Scalar>
 [[nodiscard]] NystromResult<Scalar> nystrom_weights(const RpCholeskyResult<Scalar>& rpc) {
-  const Matrix<Scalar> A = detail::nystrom_pivot_block(rpc, "nystrom_weights");
+  const RowMajorMatrix<Scalar> A = detail::nystrom_pivot_block(rpc, "nystrom_weights");
   NystromResult<Scalar> out;
   out.landmarks = rpc.pivots;
   out.weights = rpc.factor;
@@ -179,8 +188,9 @@ template <typename Scalar>
 }
 
 /// \brief W B for the Nystrom weights W of an RPCholesky result, without forming W:
-/// A^{-1} (F B), one (k x m)(m x c) GEMM and a k x c back-substitution, O(k m c + k^2 c) instead
-/// of O(k^2 m). The GEMM runs by row chunks, so the result is the same for any thread count.
+/// A^{-1} (F B), one (k x m)(m x c) GEMM and a k x c back-substitution (in double for a float
+/// factor), O(k m c + k^2 c) instead of O(k^2 m). The GEMM runs by row chunks, so the result is
+/// the same for any thread count.
 /// \throws effattn::invalid_argument if `rpc` is not an RpCholesky result or B has not m rows.
 template <typename Scalar>
 [[nodiscard]] Matrix<Scalar> nystrom_apply(const RpCholeskyResult<Scalar>& rpc,
@@ -287,7 +297,8 @@ LogScaledProduct<Scalar> exp_dot_log_scaled_product_of(const ExpDotKernel<InScal
   Matrix<Scalar> Be(m, c + 1);  // [diag(e) B | e]
   advise_huge_pages(Be);
   Be.col(c) = (hs.array() - top).exp().matrix();
-  Be.leftCols(c) = Be.col(c).asDiagonal() * B;
+  // Column by column in parallel (an O(m c) pass, serial before).
+  parallel_for_if(m > 4096, c, [&](Index j) { Be.col(j) = Be.col(c).cwiseProduct(B.col(j)); });
   LogScaledProduct<Scalar> out;
   out.product = nystrom_apply_to(rpc, Be, who);
   out.log_scale = exp_dot_log_scales(hs, top, rpc.pivots, who);
