@@ -118,8 +118,14 @@ double relative_error(const Eigen::MatrixBase<DA>& A, const Matrix<double>& B) {
 /// Works for every functor's output (EVA, Conv-Basis, KEP-SVGP, VCC's VIP rows excepted); WildCat
 /// and AutoAttention compute it themselves (`target_error`). It is an estimate, not a bound: rare
 /// rows much worse than the rest are seen only if sampled.
-/// \param scale logit scale (0 = 1/sqrt(d)), as the method's Options::scale.
+/// \param Q queries, n x d.
+/// \param K keys, m x d.
+/// \param V values, m x dv.
+/// \param approx the approximation to judge, n x dv (the method's Result::out).
 /// \param causal bottom-right aligned causal mask (requires m >= n).
+/// \param rows number of query rows sampled (clamped to n; all rows when rows >= n).
+/// \param scale logit scale (0 = 1/sqrt(d)), as the method's Options::scale.
+/// \param seed seed of the row sample (same seed, same rows).
 /// \throws effattn::invalid_argument on mismatched shapes, rows < 1, or causal with m < n.
 template <typename Scalar>
 double estimate_relative_error(const ConstRef<Scalar>& Q, const ConstRef<Scalar>& K,
