@@ -21,10 +21,10 @@
 /// \par Complexity
 /// The paper's O(N s^2) assumes learned primal projections. An exact KSVD of a softmax kernel
 /// must apply the kernel: `policy::RandomizedSvd` costs (q + 2) streamed kernel passes,
-/// O(q n m (d + s)) time and O((n + m) s + block m) memory (the n x m kernel is never stored);
-/// `policy::DenseSvd` is O(n m min(n, m)) and stores K. Only explicit-feature kernels (cosine,
-/// linear, positive random features; p features) are linear in n with `policy::FactorizedSvd`:
-/// O((n + m) p^2 + p^3).
+/// O((q + 2) n m (d + s)) time and O((n + m) s + block m) memory (the n x m kernel is never
+/// stored); `policy::DenseSvd` is O(n m min(n, m)) and stores K. Only explicit-feature kernels
+/// (cosine, linear, positive random features; p features) are linear in n with
+/// `policy::FactorizedSvd`: O((n + m) p^2 + p^3).
 #pragma once
 
 #include <cstdint>
@@ -127,7 +127,7 @@ struct DenseSvd {};
 /// KEP-SVGP SVD engine: randomized range finder (Halko, Martinsson, Tropp 2011) on the row space
 /// with oversampling p, q power iterations (each a fused K^T K pass, re-orthonormalised by
 /// Householder QR) and the kernel applied in row blocks, never stored. Gaussian sketch from the
-/// seed. O(q n m (d + s)) time.
+/// seed. O((q + 2) n m (d + s)) time; q = 0 by default (two kernel passes).
 struct RandomizedSvd {};
 /// \ingroup Policies
 /// KEP-SVGP SVD engine: exact KSVD of an explicit-feature kernel K = A B^T by thin QR of A and B

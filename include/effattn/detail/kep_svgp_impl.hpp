@@ -451,6 +451,12 @@ Matrix<Scalar> kep_sketch(Index rows, Index cols, std::uint64_t seed) {
 /// then C = K Z exactly (one more pass, with the squared row norms of K, double). Each kernel
 /// block is formed once per pass: power + 2 kernel passes in total (the column-space algorithm
 /// needs 2 power + 2). One parallel region per pass and one serial region per QR.
+///
+/// Default power = 0 (KepSvgpOptions::power_iters): 2 passes instead of 4. Measured on
+/// `clustered`, n = 4096, d = 64, s = 32, p = 10, float, 6 sketch seeds, relative error of the
+/// mean against exact attention: power 2: 0.00918 +- 1e-5, 1: 0.00919 +- 2e-5, 0: 0.00922
+/// +- 1e-5 (time / exact Tiled at 2 threads: 5.6, 4.7, 2.8); flatter spectra lose more
+/// (positional 0.899 -> 0.928), see the Options documentation.
 template <typename Scalar, bool Features>
 void kep_randomized_range(const KepKernelCtx<Scalar, Features>& c, Index want, Index oversample,
                           int power, std::uint64_t seed, Matrix<Scalar>& Z, Matrix<Scalar>& C,
