@@ -858,3 +858,53 @@ TEST_CASE("ConvBasis is bit-identical across thread counts at scale", "[conv_bas
   CHECK(rel_fro_error(CB<double>(om).compute(ws.Q, ws.K, ws.V).output,
                       CB<double>().compute(ws.Q, ws.K, ws.V).output) <= 1e-14);
 }
+
+TEST_CASE("ConvBasis batched reads equal the per-column reads", "[conv_basis]") {
+  // n = 8192, d = 64, k = 32: n k d = 2^24, so recover reads the k full columns with one batched
+  // QKOracle::gather (row-chunk GEMMs) instead of k GEMVs, and Scan's heads (J T d >= 2^22) come
+  // from the chunked, parallel QKOracle::heads. Oracle: QKOracle::column (one GEMV per column)
+  // and the heads of a plain per-entry dot product.
+  const auto w = workloads::make<float>(workloads::Kind::Positional, 8192, 64, 11);
+  const Matrix<float> Qs = w.Q * (1.0f / 8.0f);
+  const ConstRef<float> Kr(w.K);
+  const conv_basis::QKOracle<float> oracle(Qs, Kr);
+  conv_basis::RecoveryParams p;
+  p.num_bases = 32;
+  const conv_basis::Basis b = conv_basis::recover<policy::Grid>(oracle, p);
+  REQUIRE(b.size() == 32);
+  double worst = 0;
+  for (Index r = 0; r < b.size(); ++r) {
+    const Index s = b.starts[static_cast<std::size_t>(r)];
+    const auto& col = b.columns[static_cast<std::size_t>(r)];
+    REQUIRE(col.size() == 8192 - s);
+    Vector<double> ref(col.size());
+    oracle.column(s, col.size(), ref.data());
+    // GEMM and GEMV sum the d products in different orders: float round-off of the logits.
+    worst = std::max(worst,
+                     (col - ref).cwiseAbs().maxCoeff() / std::max(1.0, ref.cwiseAbs().maxCoeff()));
+  }
+  // Measured about 1e-6 (float logits of size ~10).
+  CHECK(worst <= 1e-5);
+  // The chunked heads are bit-identical to one unchunked pass (the same sum over c in order).
+  const Index T = 8, J = 8192 - T + 1;
+  const Matrix<double> h = oracle.heads(T, J);
+  Vector<float> acc(J);
+  bool same = true;
+  for (Index t = 0; t < T && same; ++t) {
+    acc.setZero();
+    for (Index c = 0; c < Qs.cols(); ++c)
+      acc += Qs.col(c).segment(t, J).cwiseProduct(w.K.col(c).head(J));
+    same = (h.row(t).transpose().array() == acc.cast<double>().array()).all();
+  }
+  CHECK(same);
+  // And the recovery with them does not depend on the thread count.
+  const auto b1 = effattn::testing::with_threads(
+      1, [&] { return conv_basis::recover<policy::Scan>(oracle, p); });
+  const auto b2 = effattn::testing::with_threads(
+      2, [&] { return conv_basis::recover<policy::Scan>(oracle, p); });
+  CHECK(b1.starts == b2.starts);
+  bool cols_same = b1.columns.size() == b2.columns.size();
+  for (std::size_t r = 0; cols_same && r < b1.columns.size(); ++r)
+    cols_same = (b1.columns[r].array() == b2.columns[r].array()).all();
+  CHECK(cols_same);
+}
