@@ -8,6 +8,7 @@
 //         shape/<biggan|t2t1|t2t2>/<exact|wildcat>     synthetic analogues of the paper's
 //                                                       BigGAN and T2T-ViT attention shapes
 //         wildcat-target/float/d64/r1024/t<target>/<n>  Options::target_error (rank cap 1024)
+//         wildcat-bf16/float/d64/r<rank>/B1/<n>         Options::bf16_attention (n >= 4096)
 //         wildcat/smoke/...                             (tiny, for ctest)
 // d = dv = 64, float, every thread (OMP_NUM_THREADS); timing on the sphere workload. Counters:
 //   err_sphere, err_clustered: relative Frobenius error of 256 sampled rows (the first 256)
@@ -149,6 +150,18 @@ void register_all() {
         if (n > rank && !(bins == 1 && rank == 1024 && n > 16384)) b->Arg(n);
       b->Unit(benchmark::kMillisecond)->UseRealTime()->Complexity(benchmark::oN);
     }
+  }
+  // Options::bf16_attention: the coreset attention's two products in bf16 (B = 1).
+  for (const Index rank : {Index(256), Index(1024)}) {
+    const std::string fam = "wildcat-bf16/float/d64/r" + std::to_string(rank) + "/B1";
+    WildcatOptions o = opts(rank, 1);
+    o.bf16_attention = true;
+    auto* b = benchmark::RegisterBenchmark(fam.c_str(), [=](benchmark::State& s) {
+      bm_wildcat(s, {s.range(0), s.range(0), kD}, o, fam, ex);
+    });
+    for (const Index n : sizes())
+      if (n >= 4096 && !(rank == 1024 && n > 16384)) b->Arg(n);
+    b->Unit(benchmark::kMillisecond)->UseRealTime()->Complexity(benchmark::oN);
   }
   for (const Index bins : {Index(1), Index(2), Index(4), Index(16)}) {
     const std::string fam = "wildcat-bar/float/d64/r256/B" + std::to_string(bins);

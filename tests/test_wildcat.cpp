@@ -984,3 +984,93 @@ TEST_CASE("The error bound equals its formula recomputed from dense matrices", "
     CHECK(std::abs(res.row_error_bound(i) - bound) <= 1e-6 * bound);
   }
 }
+
+TEST_CASE("bf16 coreset attention: bf16 error model against exact and the fp32 path",
+          "[wildcat][bf16]") {
+  // Shapes off every kernel multiple (n = 1000 queries: 7 full 128-query tiles and a 104-row
+  // one; d = 40, dv = 24 pad to 64 / 32 columns; r = 200 keys pad to 224).
+  const auto w = workloads::make<float>(workloads::Kind::Sphere,
+                                        workloads::Params::shape(1000, 1200, 40, 24, 5));
+  const Matrix<double> ref = exact_of(w.Q, w.K, w.V);
+  WildcatOptions o;
+  o.rank = 200;
+  WildcatOptions ob = o;
+  ob.bf16_attention = true;
+  const auto fp = WildcatAttentionf(o).compute(w.Q, w.K, w.V);
+  const auto bf = WildcatAttentionf(ob).compute(w.Q, w.K, w.V);
+  CHECK_FALSE(fp.bf16);
+  REQUIRE(bf.bf16);
+  REQUIRE(bf.info == Info::Success);
+  CHECK(bf.pivots == fp.pivots);  // the selection does not see the option
+  bool listed = false;
+  for (const auto& [name, value] : bf.diagnostics())
+    listed = listed || (std::string_view(name) == "bf16" && value == 1);
+  CHECK(listed);
+  // bf16 keeps 8 significand bits: S and P V each carry ~2^-9 relative rounding per entry, the
+  // same error model as TiledBf16 (measured ~3e-3 relative Frobenius there). Measured here: bf16
+  // vs fp32 path 2.1e-3 (WildCat 0.0165 vs 0.0163 against exact), so 1e-2 catches a wrong
+  // tile, padding or denominator.
+  const double e_fp = rel_fro_error(fp.output, ref), e_bf = rel_fro_error(bf.output, ref);
+  CHECK(rel_fro_error(bf.output, fp.output.cast<double>()) <= 1e-2);
+  CHECK(e_bf <= e_fp + 1e-2);
+  CHECK(e_bf < 0.5 * rel_fro_error(Matrix<double>::Zero(ref.rows(), ref.cols()), ref));
+  // rank >= m keeps every key with weight 1: exact attention with bf16 products.
+  WildcatOptions all = ob;
+  all.rank = 2000;
+  const auto ex = WildcatAttentionf(all).compute(w.Q, w.K, w.V);
+  CHECK(ex.bf16);
+  CHECK(rel_fro_error(ex.output, ref) <= 1e-2);
+  CHECK(rel_fro_error(ex.output, ref) > 0);  // the products really were rounded
+  // The portable path multiplies the same bf16 values: it differs from the AVX512-BF16 one only
+  // in the fp32 summation order (and is the same code when the CPU has no AVX512-BF16).
+  const double RQ = w.Q.cast<double>().rowwise().norm().maxCoeff();
+  const CompressedKV<float> ckv = compress_kv(w.K, w.V, RQ, o);
+  WildcatResult<float> gen, nat;
+  detail::wildcat_attend<float>(w.Q, ckv, 1 / std::sqrt(40.0), ob, gen, detail::Isa::Generic);
+  detail::wildcat_attend<float>(w.Q, ckv, 1 / std::sqrt(40.0), ob, nat);
+  REQUIRE(gen.bf16);
+  CHECK(rel_fro_error(gen.output, nat.output.cast<double>()) <= 1e-5);
+  CHECK(rel_fro_error(nat.output, fp.output.cast<double>()) <= 1e-2);
+  // Error bound, fallback and clipping are the fp32 path's (the bound is computed in double).
+  CHECK(nat.row_error_bound.size() == 1000);
+  CHECK(nat.fallback_rows == fp.fallback_rows);
+}
+
+TEST_CASE("bf16 coreset attention: KV cache with an exact tail, fallback rows, double ignores it",
+          "[wildcat][bf16]") {
+  const Index m = 600, d = 16, dv = 8;
+  const Matrix<float> K = randn<float>(m, d, 81), V = randn<float>(m, dv, 82),
+                      Q = randn<float>(70, d, 83);
+  WildcatOptions o;
+  o.rank = 48;
+  o.bins = 3;
+  o.fallback = wildcat::Fallback::Midpoint;
+  WildcatOptions ob = o;
+  ob.bf16_attention = true;
+  CompressedKV<float> c = compress_kv(K.topRows(400), V.topRows(400), 0.0, o);
+  c.append(K.bottomRows(200), V.bottomRows(200));
+  const auto fp = weighted_attention(Q, c, o);
+  const auto bf = weighted_attention(Q, c, ob);
+  REQUIRE(bf.bf16);
+  CHECK(rel_fro_error(bf.output, fp.output.cast<double>()) <= 1e-2);  // measured 3.9e-3
+  CHECK(bf.fallback_rows == fp.fallback_rows);
+  // The tail enters the bound through its smallest logit, which bf16 rounds: bounds agree to the
+  // rounding of a logit (relative 2^-8 of |logit|, exponentiated).
+  CHECK(max_abs_error(bf.row_error_bound, fp.row_error_bound) <=
+        0.05 * fp.row_error_bound.cwiseAbs().maxCoeff() + 1e-12);
+  // A single failed row (denominator forced negative by a huge negative weight) gets the
+  // midpoint on both paths.
+  CompressedKV<float> bad = c;
+  bad.weights(0) = -1e30f;
+  bad.values.row(0).setZero();
+  const auto fb = weighted_attention(Q, bad, ob);
+  const auto ff = weighted_attention(Q, bad, o);
+  CHECK(ff.fallback_rows > 0);
+  CHECK(fb.fallback_rows == ff.fallback_rows);
+  if (ff.fallback_rows == Q.rows()) CHECK(max_abs_error(fb.output, ff.output) == 0);
+  // double: the option is ignored (bf16 products are a float feature).
+  const Matrix<double> Kd = K.cast<double>(), Vd = V.cast<double>(), Qd = Q.cast<double>();
+  const auto dres = WildcatAttentiond(ob).compute(Qd, Kd, Vd);
+  CHECK_FALSE(dres.bf16);
+  CHECK(max_abs_error(dres.output, WildcatAttentiond(o).compute(Qd, Kd, Vd).output) == 0);
+}

@@ -106,6 +106,15 @@ struct WildcatOptions {
   double target_error = 0;
   /// Query rows sampled for the `target_error` estimate (min(n, this); >= 1).
   Index error_sample_rows = 64;
+  /// Coreset attention (the two products of WtdAttn, S = beta Q K_S^T and P V_S) with bf16
+  /// operands and fp32 accumulation, on the kernels of `policy::TiledBf16` (`active_isa()`:
+  /// AVX512-BF16 `vdpbf16ps`, or the portable path that widens the bf16 values to float); the
+  /// softmax weights, the denominators P w and P |w| and the error bound stay fp32 / double.
+  /// float only (ignored for double; `WildcatResult::bf16` says whether it ran). Off by default:
+  /// it adds the bf16 error of exact attention (~3e-3 relative Frobenius) to WildCat's own
+  /// (~1e-2 at r = 256 on sphere), and `error_bound` does not cover the rounding. Measured speed:
+  /// README, "WildCat with bf16 coreset attention".
+  bool bf16_attention = false;
 };
 
 /// One compressed bin (or exactly kept bin) of a `CompressedKV`; the data of the error bound.
@@ -189,9 +198,12 @@ struct WildcatResult : AttentionResult<Scalar> {
   /// With Options::target_error > 0: the number of compression rounds used (0 when no target
   /// was set).
   Index target_rounds = 0;
+  /// The coreset attention ran with bf16 products (Options::bf16_attention with float).
+  bool bf16 = false;
 
   /// rank, bins, exact_bins (bins kept exactly), fallback_rows, error_bound; with a target also
-  /// estimated_error, target_rel_tol and target_rounds.
+  /// estimated_error, target_rel_tol and target_rounds; bf16 (= 1) when the coreset attention
+  /// used bf16 products.
   Diagnostics diagnostics() const {
     Index exact_bins = 0;
     for (const WildcatBlock& b : blocks) exact_bins += b.exact ? 1 : 0;
@@ -205,6 +217,7 @@ struct WildcatResult : AttentionResult<Scalar> {
       d.push_back({"target_rel_tol", target_rel_tol});
       d.push_back({"target_rounds", static_cast<double>(target_rounds)});
     }
+    if (bf16) d.push_back({"bf16", 1.0});
     return d;
   }
 };

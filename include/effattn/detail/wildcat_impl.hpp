@@ -24,6 +24,8 @@
 #include "../numerics/nystrom.hpp"
 #include "../numerics/rp_cholesky.hpp"
 #include "../wildcat.hpp"
+#include "bf16_avx512.hpp"
+#include "bf16_pack.hpp"
 
 namespace effattn {
 
@@ -311,62 +313,148 @@ struct WtdContext {
   Index tail_begin = 0;               // rows >= this are exact appended tokens
   double beta = 0, log_m = 0, tol = 0;
   Index dv = 0;
+  // bf16 coreset attention (Options::bf16_attention, float only): the operands rounded once.
+  bool bf16 = false;
+  Isa isa = Isa::Generic;
+#if EFFATTN_BF16_X86
+  Bf16Panels panels;  // AVX512-BF16: beta Q, keys, values in the kernels' layouts
+#endif
+  Bf16RoundedFloats rounded;  // generic: bf16(beta Q), bf16(keys)^T, bf16(values) as floats
+  Matrix<float> wcols;        // r x 2: [w, |w|] (fp32 denominators)
 };
 
 constexpr Index kWtdTile = 128;  // queries per task
 
-/// Workspace of one thread.
+/// Workspace of one thread (`bf16`: the tiles of the bf16 path instead of Z, N, O).
 template <typename Scalar>
 struct WtdWorkspace {
   Matrix<Scalar> Z, N, O;
   Matrix<double> C, Lmin, L;
-  WtdWorkspace(Index r, Index dv, Index nblocks, Index ninexact)
-      : Z(r, kWtdTile),
-        N(dv + 2, kWtdTile),
-        O(dv, kWtdTile),
+  Matrix<float> S, acc, den;  // bf16 path: kWtdTile x rpad scores / P, kWtdTile x dvpad, x 2
+  Bf16Buffer pv;              // bf16 path (AVX512-BF16): P in VNNI pairs
+  WtdWorkspace(Index r, Index dv, Index nblocks, Index ninexact, bool bf16)
+      : Z(bf16 ? 0 : r, kWtdTile),
+        N(bf16 ? 0 : dv + 2, kWtdTile),
+        O(bf16 ? 0 : dv, kWtdTile),
         C(kWtdTile, nblocks),
         Lmin(kWtdTile, nblocks),
-        L(kWtdTile, ninexact) {}
+        L(kWtdTile, ninexact) {
+    if (!bf16) return;
+    S.resize(kWtdTile, round_up(r, 32));
+    acc.resize(kWtdTile, round_up(dv, 32));
+    den.resize(kWtdTile, 2);
+    pv.resize(kWtdTile * round_up(r, 32));
+  }
 };
+
+/// The bf16 path of `wtd_tile` (Scalar = float): S = bf16(beta Q_t) bf16(K_S)^T + ell (fp32
+/// accumulation; t x r, queries as rows, the layout of the TiledBf16 kernels), P = exp(S - max)
+/// per row in fp32, P [w, |w|] in fp32, then bf16(P) bf16(V_S) accumulated in fp32. Sets
+/// tail_min (the smallest logit of the exact tail per row, when there is one).
+template <typename Scalar>
+void wtd_products_bf16(const WtdContext<Scalar>& cx, const WildcatOptions& o, Index i0, Index t,
+                       WtdWorkspace<Scalar>& ws, Matrix<Scalar>& out, Vector<double>& tail_min,
+                       Vector<unsigned char>& fell_back) {
+  if constexpr (std::is_same_v<Scalar, float>) {
+    const Index r = cx.ell.size(), dv = cx.dv, ld = kWtdTile;
+    const Index tp = round_up(t, 32), rp = round_up(r, 32);
+    float* s = ws.S.data();
+#if EFFATTN_BF16_X86
+    if (cx.isa != Isa::Generic) avx512_scores(cx.panels, i0 / 16, 0, tp, rp, s, ld);
+#endif
+    if (cx.isa == Isa::Generic)
+      ws.S.topLeftCorner(t, r).noalias() = cx.rounded.q.middleRows(i0, t) * cx.rounded.kt;
+    auto S = ws.S.topLeftCorner(t, r);
+    Vector<float> mx = Vector<float>::Constant(t, -std::numeric_limits<float>::infinity());
+    for (Index j = 0; j < r; ++j) {
+      S.col(j).array() += cx.ell(j);
+      mx = mx.cwiseMax(S.col(j));
+    }
+    if (cx.tail_begin < r) {
+      Vector<float> tm = S.col(cx.tail_begin);
+      for (Index j = cx.tail_begin + 1; j < r; ++j) tm = tm.cwiseMin(S.col(j));
+      tail_min = tm.template cast<double>();
+    }
+    for (Index j = 0; j < r; ++j) S.col(j) = (S.col(j) - mx).array().exp().matrix();
+    auto D = ws.den.topRows(t);
+    D.noalias() = S * cx.wcols;  // fp32 denominators from the unrounded P
+    auto A = ws.acc.topLeftCorner(tp, round_up(dv, 32));
+    A.setZero();
+#if EFFATTN_BF16_X86
+    if (cx.isa != Isa::Generic) {
+      // Padded query rows of the tile hold raw scores (finite); their accumulator rows are unused.
+      pack_p_vnni(s, ld, tp, r, rp, ws.pv.data());
+      avx512_accumulate(cx.panels, 0, tp, rp, ws.pv.data(), ws.acc.data(), ld);
+    }
+#endif
+    if (cx.isa == Isa::Generic) {
+      round_tile_to_bf16(s, ld, t, r);
+      ws.acc.topLeftCorner(t, dv).noalias() = S * cx.rounded.v;
+    }
+    // O = acc / den per row, with the fallback and clipping of the fp32 path, column by column
+    // (contiguous in the column-major tile and output).
+    Vector<float> inv(t);
+    for (Index j = 0; j < t; ++j) {
+      const bool ok = D(j, 0) > static_cast<float>(cx.tol) * D(j, 1) && D(j, 0) > 0.0f;
+      fell_back(i0 + j) = ok ? 0 : 1;
+      inv(j) = ok ? 1.0f / D(j, 0) : 0.0f;
+    }
+    auto O = ws.acc.topLeftCorner(t, dv);
+    O.array().colwise() *= inv.array();
+    if (o.fallback == wildcat::Fallback::Midpoint)
+      for (Index j = 0; j < t; ++j)
+        if (fell_back(i0 + j)) O.row(j) = cx.mid.transpose();
+    for (Index c = 0; c < dv; ++c) {
+      if (o.clip) O.col(c) = O.col(c).cwiseMax(cx.lo(c)).cwiseMin(cx.hi(c));
+      out.col(c).segment(i0, t) = O.col(c);
+    }
+  } else {
+    (void)cx, (void)o, (void)i0, (void)t, (void)ws, (void)out, (void)tail_min, (void)fell_back;
+  }
+}
 
 /// Rows [i0, i0 + t) of the weighted attention (paper Alg. 3) and of the row error bounds.
 template <typename Scalar>
 void wtd_tile(const WtdContext<Scalar>& cx, const ConstRef<Scalar>& Q, const WildcatOptions& o,
               Index i0, Index t, WtdWorkspace<Scalar>& ws, Matrix<Scalar>& out,
               Vector<double>& row_bound, Vector<unsigned char>& fell_back) {
-  const Index r = cx.ks.rows(), dv = cx.dv;
-  auto Z = ws.Z.leftCols(t);
-  auto N = ws.N.leftCols(t);
-  Z.noalias() = cx.ks * Q.middleRows(i0, t).transpose();  // r x t logits
-  Z.colwise() += cx.ell;
+  const Index r = cx.ell.size(), dv = cx.dv;
   const bool tail = cx.tail_begin < r;
   Vector<double> tail_min(t);
-  for (Index j = 0; j < t; ++j) {
-    auto z = Z.col(j);
-    if (tail) tail_min(j) = static_cast<double>(z.tail(r - cx.tail_begin).minCoeff());
-    const Scalar mx = z.maxCoeff();
-    z = (z.array() - mx).exp();  // max-shifted: every entry in (0, 1]
+  if (cx.bf16) {
+    wtd_products_bf16<Scalar>(cx, o, i0, t, ws, out, tail_min, fell_back);
+  } else {
+    auto Z = ws.Z.leftCols(t);
+    auto N = ws.N.leftCols(t);
+    Z.noalias() = cx.ks * Q.middleRows(i0, t).transpose();  // r x t logits
+    Z.colwise() += cx.ell;
+    for (Index j = 0; j < t; ++j) {
+      auto z = Z.col(j);
+      if (tail) tail_min(j) = static_cast<double>(z.tail(r - cx.tail_begin).minCoeff());
+      const Scalar mx = z.maxCoeff();
+      z = (z.array() - mx).exp();  // max-shifted: every entry in (0, 1]
+    }
+    N.noalias() = cx.augT * Z;  // (dv + 2) x t: numerators, denominator, |w|-denominator
+    auto O = ws.O.leftCols(t);
+    for (Index j = 0; j < t; ++j) {
+      const Scalar den = N(dv, j), absden = N(dv + 1, j);
+      if (den > static_cast<Scalar>(cx.tol) * absden && den > Scalar(0)) {
+        O.col(j) = N.col(j).head(dv) / den;
+        fell_back(i0 + j) = 0;
+      } else {
+        fell_back(i0 + j) = 1;
+        if (o.fallback == wildcat::Fallback::Midpoint)
+          O.col(j) = cx.mid;
+        else
+          O.col(j).setZero();
+      }
+      if (o.clip) O.col(j) = O.col(j).cwiseMax(cx.lo).cwiseMin(cx.hi);
+    }
+    out.middleRows(i0, t) = O.transpose();
   }
-  N.noalias() = cx.augT * Z;  // (dv + 2) x t: numerators, denominator, |w|-denominator
   if (cx.centresT.size() > 0)
     ws.C.topRows(t).noalias() = Q.middleRows(i0, t).template cast<double>() * cx.centresT;
   const Vector<double> qnorm = row_squared_norms(Q.middleRows(i0, t)).cwiseSqrt();
-  auto O = ws.O.leftCols(t);
-  for (Index j = 0; j < t; ++j) {
-    const Scalar den = N(dv, j), absden = N(dv + 1, j);
-    if (den > static_cast<Scalar>(cx.tol) * absden && den > Scalar(0)) {
-      O.col(j) = N.col(j).head(dv) / den;
-      fell_back(i0 + j) = 0;
-    } else {
-      fell_back(i0 + j) = 1;
-      if (o.fallback == wildcat::Fallback::Midpoint)
-        O.col(j) = cx.mid;
-      else
-        O.col(j).setZero();
-    }
-    if (o.clip) O.col(j) = O.col(j).cwiseMax(cx.lo).cwiseMin(cx.hi);
-  }
-  out.middleRows(i0, t) = O.transpose();
   // Error bound (Lemmas 1 + 2, rows independently; see WildcatResult::error_bound), vectorised
   // over blocks. L(j, k): log of compressed block k's bound on ||a_k - ahat_k||_2^2 (uncentred
   // frame: a_k = e^{beta <q, c_k>} times the centred row, whose squared error Lemma 2 bounds by
@@ -399,9 +487,11 @@ void wtd_tile(const WtdContext<Scalar>& cx, const ConstRef<Scalar>& Q, const Wil
 }
 
 /// Weighted attention of Q over the rows of `ckv` (paper Alg. 3, WtdAttn) into `res`.
+/// `bf16_isa`: the kernel path of Options::bf16_attention (tests force Isa::Generic with it).
 template <typename Scalar>
 void wildcat_attend(const ConstRef<Scalar>& Q, const CompressedKV<Scalar>& ckv, double beta,
-                    const WildcatOptions& o, WildcatResult<Scalar>& res) {
+                    const WildcatOptions& o, WildcatResult<Scalar>& res,
+                    Isa bf16_isa = selected_isa()) {
   const Index n = Q.rows(), r = ckv.size(), dv = ckv.values.cols();
   WtdContext<Scalar> cx;
   cx.beta = beta;
@@ -409,18 +499,41 @@ void wildcat_attend(const ConstRef<Scalar>& Q, const CompressedKV<Scalar>& ckv, 
   cx.tol = o.denominator_tol;
   cx.tail_begin = ckv.tail_begin;
   cx.log_m = std::log(static_cast<double>(std::max<Index>(1, ckv.tokens)));
-  cx.ks = ckv.keys * static_cast<Scalar>(beta);
   cx.ell = ckv.log_scale;
+  if constexpr (std::is_same_v<Scalar, float>) cx.bf16 = o.bf16_attention;
+  if (cx.bf16) {
+    // The operands rounded to bf16 once per call (O((n + r) d)); beta folded into Q as in
+    // TiledBf16. AVX512-BF16 (also on AMX machines: the WtdAttn tiles are too small for AMX's
+    // tile setup to pay) or the portable path, as EFFATTN_ISA selects.
+    cx.isa = EFFATTN_BF16_X86 && bf16_isa != Isa::Generic && isa_available(bf16_isa)
+                 ? Isa::Avx512Bf16
+                 : Isa::Generic;
+    cx.wcols.resize(r, 2);
+    cx.wcols.col(0) = ckv.weights.template cast<float>();
+    cx.wcols.col(1) = ckv.weights.cwiseAbs().template cast<float>();
+    if constexpr (std::is_same_v<Scalar, float>) {
+#if EFFATTN_BF16_X86
+      if (cx.isa != Isa::Generic)
+        pack_bf16_panels<float>(Q, ckv.keys, ckv.values, static_cast<float>(beta), cx.panels);
+#endif
+      if (cx.isa == Isa::Generic)
+        round_to_bf16_floats<float>(Q, ckv.keys, ckv.values, static_cast<float>(beta), cx.rounded);
+    }
+  } else {
+    cx.ks = ckv.keys * static_cast<Scalar>(beta);
+  }
   cx.lo = ckv.vmin.transpose();
   cx.hi = ckv.vmax.transpose();
   cx.mid = (cx.lo + cx.hi) * Scalar(0.5);
   cx.range = static_cast<double>((cx.hi - cx.lo).maxCoeff());
   cx.vmax_abs =
       static_cast<double>(std::max(cx.hi.cwiseAbs().maxCoeff(), cx.lo.cwiseAbs().maxCoeff()));
-  cx.augT.resize(dv + 2, r);
-  cx.augT.topRows(dv) = ckv.values.transpose();
-  cx.augT.row(dv) = ckv.weights.transpose();
-  cx.augT.row(dv + 1) = ckv.weights.cwiseAbs().transpose();
+  if (!cx.bf16) {
+    cx.augT.resize(dv + 2, r);
+    cx.augT.topRows(dv) = ckv.values.transpose();
+    cx.augT.row(dv) = ckv.weights.transpose();
+    cx.augT.row(dv + 1) = ckv.weights.cwiseAbs().transpose();
+  }
   const Index nb = static_cast<Index>(ckv.blocks.size());
   bool centred = true;
   for (const auto& b : ckv.blocks) centred = centred && (b.centre.array() == 0.0).all();
@@ -447,7 +560,7 @@ void wildcat_attend(const ConstRef<Scalar>& Q, const CompressedKV<Scalar>& ckv, 
   Vector<unsigned char> fell(n);
   const Index tasks = (n + kWtdTile - 1) / kWtdTile;
   parallel_for(
-      tasks, [&] { return WtdWorkspace<Scalar>(r, dv, std::max<Index>(nb, 1), ni); },
+      tasks, [&] { return WtdWorkspace<Scalar>(r, dv, std::max<Index>(nb, 1), ni, cx.bf16); },
       [&](Index task, WtdWorkspace<Scalar>& ws) {
         const Index i0 = task * kWtdTile;
         wtd_tile(cx, Q, o, i0, std::min(kWtdTile, n - i0), ws, res.output, res.row_error_bound,
@@ -455,6 +568,7 @@ void wildcat_attend(const ConstRef<Scalar>& Q, const CompressedKV<Scalar>& ckv, 
       });
   res.fallback_rows = fell.template cast<Index>().sum();
   res.error_bound = n > 0 ? res.row_error_bound.maxCoeff() : 0.0;
+  res.bf16 = cx.bf16;
   res.info = all_finite(res.output) ? Info::Success : Info::NumericalIssue;
 }
 
