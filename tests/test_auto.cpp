@@ -241,6 +241,33 @@ TEMPLATE_TEST_CASE("AutoAttention falls back to exact attention when no candidat
   CHECK(r.reason.find("no candidate met") != std::string::npos);
 }
 
+TEST_CASE("AutoAttention skips a WildCat probe whose affordable rank cannot meet the target",
+          "[auto]") {
+  // n = 4096, 1e-2 target, default budget: the affordable rank is 64 and 64 x 1e-2 < 2, so no
+  // probe is paid for (the default); with the rule off, WildCat r = 64 is probed and misses
+  // (sphere: ~0.05 at r = 64), and the call pays for the probe.
+  const auto w = workloads::make<float>(workloads::Kind::Sphere, 4096, 64, 3);
+  AutoOptions o;
+  o.allow_eva = false;
+  const auto r = AutoAttention<float>(o).compute(w.Q, w.K, w.V);
+  INFO(r.reason);
+  CHECK(r.method == AutoMethod::Exact);
+  CHECK(r.probe_rows == 0);
+  CHECK(r.candidates.empty());
+  CHECK(r.predicted_cost == 1.0);
+  CHECK(r.reason.find("wildcat_min_rank_error") != std::string::npos);
+  o.wildcat_min_rank_error = 0;
+  const auto p = AutoAttention<float>(o).compute(w.Q, w.K, w.V);
+  INFO(p.reason);
+  CHECK(p.method == AutoMethod::Exact);
+  REQUIRE(!p.candidates.empty());
+  CHECK(p.candidates.front().method == AutoMethod::Wildcat);
+  CHECK(static_cast<double>(p.candidates.front().budget) * o.target_error < 2.0);
+  CHECK(!p.candidates.front().accepted);
+  CHECK(p.predicted_cost > 1.0);
+  CHECK(bitwise_equal(r.output, p.output));
+}
+
 TEST_CASE("AutoAttention's probe stays within max_overhead", "[auto]") {
   const auto w = workloads::make<float>(workloads::Kind::Gaussian, 4096, 64, 2);
   for (const double overhead : {0.05, 0.2, 1.0, 5.0}) {
@@ -307,6 +334,9 @@ TEST_CASE("AutoAttention rejects bad options and inputs", "[auto][errors]") {
   bad([](AutoOptions& o) { o.safety = 1.5; }, "safety");
   bad([](AutoOptions& o) { o.scale = -1; }, "scale");
   bad([](AutoOptions& o) { o.eva_min_target = -1; }, "eva_min_target");
+  bad([](AutoOptions& o) { o.wildcat_min_rank_error = -1; }, "wildcat_min_rank_error");
+  bad([](AutoOptions& o) { o.wildcat_min_rank_error = std::numeric_limits<double>::infinity(); },
+      "wildcat_min_rank_error");
 
   const Matrix<float> Q = effattn::testing::gaussian<float>(8, 4, 1);
   const Matrix<float> K = effattn::testing::gaussian<float>(6, 4, 2);

@@ -86,6 +86,13 @@ struct AutoOptions {
   double eva_min_target = 0.05;
   /// Seed of the sampled rows and of WildCat's pivots.
   std::uint64_t seed = 0x5eedULL;
+  /// WildCat is probed only when the largest rank r the budget affords satisfies
+  /// r x target_error >= this (0 = whenever some rank fits). The smallest rank x error product
+  /// measured on the shared workloads is 3.2 (`sphere`, r = 256, n = 4096, d = 64; 7-17 on the
+  /// others), so below 2 a probe would only spend time: at n = 4096 and a 1e-2 target the
+  /// affordable r = 64 missed on every workload and the wasted probe made the call 1.10-1.20x
+  /// exact's time.
+  double wildcat_min_rank_error = 2.0;
   /// Allow WildCat as a candidate (non-causal only).
   bool allow_wildcat = true;
   /// Allow EVA as a candidate.

@@ -70,6 +70,7 @@ PyResult run_auto(const Packed& p, Kwargs& kw, bool causal) {
   kw.get("max_overhead", o.max_overhead);
   kw.get("safety", o.safety);
   kw.get("eva_min_target", o.eva_min_target);
+  kw.get("wildcat_min_rank_error", o.wildcat_min_rank_error);
   kw.get("seed", o.seed);
   kw.get("allow_wildcat", o.allow_wildcat);
   kw.get("allow_eva", o.allow_eva);

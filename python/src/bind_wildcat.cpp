@@ -21,6 +21,7 @@ WildcatOptions wildcat_options(Kwargs& kw, WildcatOptions o = {}) {
   kw.get("denominator_tol", o.denominator_tol);
   kw.get("block_size", o.block_size);
   kw.get("fit_temperature", o.fit_temperature);
+  kw.get("bf16_attention", o.bf16_attention);
   kw.get("target_error", o.target_error);
   kw.get("error_sample_rows", o.error_sample_rows);
   kw.finish();

@@ -547,11 +547,11 @@ method:  'exact'       options: scale, block_q, block_k, policy ('tiled' | 'naiv
          'performer'   samples, seed
          'wildcat'     rank, bins, seed, clip, rel_tol, q_radius, temperature, fallback,
                        denominator_tol, block_size, target_error, error_sample_rows,
-                       fit_temperature
+                       fit_temperature, bf16_attention
          'kep_svgp'    rank, oversample, power_iters, rank_rtol, cov, prior, rbranch,
                        block_rows, seed
-         'auto'        target_error, probe_rows, max_overhead, safety, eva_min_target, seed,
-                       allow_wildcat, allow_eva (AutoAttention: the fastest of exact,
+         'auto'        target_error, probe_rows, max_overhead, safety, eva_min_target,
+                       wildcat_min_rank_error, seed, allow_wildcat, allow_eva (AutoAttention: the fastest of exact,
                        wildcat and eva meeting target_error on sampled exact rows; the
                        Result's chosen, reason and diagnostics say which and why)
          every method: scale (0 = 1/sqrt(d)).

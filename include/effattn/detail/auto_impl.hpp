@@ -20,17 +20,22 @@ namespace detail {
 /// visible key, d + dv): exact attention costs n m_vis (d + dv) units.
 ///
 /// The coefficients are fitted to `bench_auto`'s calibration rows (float, d = dv = 64, 2
-/// threads, n = m = 1024 .. 65536; README "Choosing automatically"), rounded up so that the
-/// model errs on the expensive side: an over-estimate only makes AutoAttention probe less.
+/// threads, n = m = 4096, 16384, 65536, r = 64, 256, 1024; README "AutoAttention: ask for an
+/// accuracy, not a budget"), rounded up so that the model errs on the expensive side: an
+/// over-estimate only makes AutoAttention probe less. Refitted after WildCat's float selection
+/// (issue 21): the selection measured 0.23-0.52 of the old model (1.8 r^2 m + 5.5 r m D + 1200 m
+/// D), which capped the probe at r = 512 on `sphere`, n = 65536, where r = 1024 meets a 1e-2 target
+/// at 0.11 of exact's time. Least squares at m = 65536 gave 0.575 r^2 m + 2.29 r m D + 206 m D
+/// (within 0.7-0.9 of the m = 4096 / 16384 rows); attention 0.87 n r D + 99 n D.
 struct AutoCostModel {
-  static constexpr double kProbe = 3.0;      ///< sampled exact rows (16-column GEMMs, double sums)
-  static constexpr double kSelR2 = 1.8;      ///< WildCat selection, per r^2 m (factor updates)
-  static constexpr double kSelRd = 5.5;      ///< WildCat selection, per r m (d + dv) (kernel rows)
-  static constexpr double kSelM = 1200.0;    ///< WildCat selection, per m (d + dv) (fixed part)
-  static constexpr double kAttend = 1.2;     ///< WildCat attention, per n r (d + dv)
-  static constexpr double kAttendN = 160.0;  ///< WildCat attention, per n (d + dv) (fixed part)
-  static constexpr double kEva = 5.0;        ///< EVA, per n (window + chunks) (d + dv)
-  static constexpr double kEvaM = 50.0;      ///< EVA, per m (d + dv) (chunk summaries)
+  static constexpr double kProbe = 2.7;      ///< sampled exact rows (16-column GEMMs, double sums)
+  static constexpr double kSelR2 = 0.75;     ///< WildCat selection, per r^2 m (factor updates)
+  static constexpr double kSelRd = 3.0;      ///< WildCat selection, per r m (d + dv) (kernel rows)
+  static constexpr double kSelM = 300.0;     ///< WildCat selection, per m (d + dv) (fixed part)
+  static constexpr double kAttend = 1.0;     ///< WildCat attention, per n r (d + dv)
+  static constexpr double kAttendN = 120.0;  ///< WildCat attention, per n (d + dv) (fixed part)
+  static constexpr double kEva = 4.2;        ///< EVA, per n (window + chunks) (d + dv)
+  static constexpr double kEvaM = 42.0;      ///< EVA, per m (d + dv) (chunk summaries)
 
   /// Keys a query sees on average (causal: bottom-right aligned).
   static double visible_keys(Index n, Index m, bool causal) {
@@ -73,6 +78,9 @@ inline void check_auto_options(const AutoOptions& o) {
       cat("AutoAttention: Options::max_overhead must be finite and >= 0; got ", o.max_overhead));
   EFFATTN_CHECK(o.safety > 0 && o.safety <= 1,
                 cat("AutoAttention: Options::safety must be in (0, 1]; got ", o.safety));
+  EFFATTN_CHECK(std::isfinite(o.wildcat_min_rank_error) && o.wildcat_min_rank_error >= 0,
+                cat("AutoAttention: Options::wildcat_min_rank_error must be finite and >= 0; got ",
+                    o.wildcat_min_rank_error));
   EFFATTN_CHECK(std::isfinite(o.eva_min_target) && o.eva_min_target >= 0,
                 cat("AutoAttention: Options::eva_min_target must be finite and >= 0; got ",
                     o.eva_min_target));
@@ -145,7 +153,11 @@ AutoResult<Scalar_> AutoAttention<Scalar_>::compute(const Ref& Q, const Ref& K,
   const double probe_cost = AutoCostModel::probe(s, n, m, d, dv, o.causal);
   const double room = budget - probe_cost;
   const bool wildcat_ok = o.allow_wildcat && !o.causal;
-  const Index rank_cap = wildcat_ok && room > 0 ? detail::auto_wildcat_rank_cap(m, d, dv, room) : 0;
+  const Index affordable =
+      wildcat_ok && room > 0 ? detail::auto_wildcat_rank_cap(m, d, dv, room) : 0;
+  const bool wildcat_can_meet =
+      static_cast<double>(affordable) * o.target_error >= o.wildcat_min_rank_error;
+  const Index rank_cap = wildcat_can_meet ? affordable : 0;
   EvaOptions eva_o;
   eva_o.scale = o.scale;
   eva_o.causal = o.causal;
@@ -159,6 +171,10 @@ AutoResult<Scalar_> AutoAttention<Scalar_>::compute(const Ref& Q, const Ref& K,
                       auto_fmt(o.max_overhead) + " x exact) at n = " + std::to_string(n) +
                       ", m = " + std::to_string(m);
     if (o.causal && o.allow_wildcat) why += "; WildCat has no causal form";
+    if (affordable > 0 && !wildcat_can_meet)
+      why += "; the affordable WildCat rank " + std::to_string(affordable) + " x target " +
+             auto_fmt(o.target_error) + " < " + auto_fmt(o.wildcat_min_rank_error) +
+             " (wildcat_min_rank_error)";
     if (o.allow_eva && !eva_target)
       why += "; EVA's error floor (~0.08) is above the target " + auto_fmt(o.target_error);
     run_exact(std::move(why), 0);
