@@ -68,6 +68,17 @@ void convert_bf16(const In* src, Index count, float scale, std::uint16_t* dst) n
 }
 
 #if EFFATTN_BF16_X86
+/// x >> 16 and x << 16 per 32-bit lane. The zero-masked forms with an all-ones mask are the same
+/// instruction; the plain `_mm512_srli_epi32` / `_mm512_slli_epi32` / `_mm512_cvtepu16_epi32` of
+/// GCC 12 pass `_mm512_undefined_epi32()` through, which -Wall reports as maybe-uninitialized in
+/// every user translation unit that inlines them (GCC PR 105593, fixed in GCC 13).
+EFFATTN_TARGET_AVX512 inline __m512i srl16(__m512i x) noexcept {
+  return _mm512_maskz_srli_epi32(__mmask16(0xFFFF), x, 16);
+}
+EFFATTN_TARGET_AVX512 inline __m512i sll16(__m512i x) noexcept {
+  return _mm512_maskz_slli_epi32(__mmask16(0xFFFF), x, 16);
+}
+
 /// `convert_bf16` for float with AVX512F, 16 values per step (masked tail). Used only by the x86
 /// kernels' packing, which runs after `detected_isa()` found AVX-512.
 EFFATTN_TARGET_AVX512 inline void convert_bf16(const float* src, Index count, float scale,
@@ -78,9 +89,8 @@ EFFATTN_TARGET_AVX512 inline void convert_bf16(const float* src, Index count, fl
     const Index left = count - i;
     const __mmask16 k = left >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1u);
     const __m512i u = _mm512_castps_si512(_mm512_mul_ps(_mm512_maskz_loadu_ps(k, src + i), sc));
-    const __m512i r = _mm512_add_epi32(
-        u, _mm512_add_epi32(bias, _mm512_and_si512(_mm512_srli_epi32(u, 16), one)));
-    _mm512_mask_cvtepi32_storeu_epi16(dst + i, k, _mm512_srli_epi32(r, 16));
+    const __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(bias, _mm512_and_si512(srl16(u), one)));
+    _mm512_mask_cvtepi32_storeu_epi16(dst + i, k, srl16(r));
   }
 }
 #endif
@@ -154,8 +164,7 @@ EFFATTN_TARGET_AVX512 inline void round_floats_avx512(const float* src, Index co
     const Index left = count - i;
     const __mmask16 k = left >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1u);
     const __m512i u = _mm512_maskz_loadu_epi32(k, src + i);
-    const __m512i r = _mm512_add_epi32(
-        u, _mm512_add_epi32(bias, _mm512_and_si512(_mm512_srli_epi32(u, 16), one)));
+    const __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(bias, _mm512_and_si512(srl16(u), one)));
     _mm512_mask_storeu_epi32(dst + i, k, _mm512_and_si512(r, high));
   }
 }
@@ -182,11 +191,9 @@ inline void round_tile_to_bf16(float* s, Index ld, Index rows, Index cols) noexc
 EFFATTN_TARGET_AVX512 inline __m512i bf16_vnni_pairs(__m512 a, __m512 b) noexcept {
   const __m512i bias = _mm512_set1_epi32(0x7FFF), one = _mm512_set1_epi32(1);
   const __m512i ua = _mm512_castps_si512(a), ub = _mm512_castps_si512(b);
-  const __m512i ra = _mm512_add_epi32(
-      ua, _mm512_add_epi32(bias, _mm512_and_si512(_mm512_srli_epi32(ua, 16), one)));
-  const __m512i rb = _mm512_add_epi32(
-      ub, _mm512_add_epi32(bias, _mm512_and_si512(_mm512_srli_epi32(ub, 16), one)));
-  return _mm512_or_si512(_mm512_srli_epi32(ra, 16),
+  const __m512i ra = _mm512_add_epi32(ua, _mm512_add_epi32(bias, _mm512_and_si512(srl16(ua), one)));
+  const __m512i rb = _mm512_add_epi32(ub, _mm512_add_epi32(bias, _mm512_and_si512(srl16(ub), one)));
+  return _mm512_or_si512(srl16(ra),
                          _mm512_and_si512(rb, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
 }
 
@@ -215,7 +222,7 @@ EFFATTN_TARGET_AVX512 inline __m512 load16_fp32(const float* p, Index count) noe
 EFFATTN_TARGET_AVX512 inline __m512 load16_fp32(const Eigen::bfloat16* p, Index count) noexcept {
   const __m256i h =
       _mm256_maskz_loadu_epi16(count >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << count) - 1u), p);
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  return _mm512_castsi512_ps(sll16(_mm512_maskz_cvtepu16_epi32(__mmask16(0xFFFF), h)));
 }
 
 /// Query group g (16 rows from `Q`, `count` of them valid, leading dimension `ldq`) of scale Q in
