@@ -319,8 +319,11 @@ struct WtdContext {
 #if EFFATTN_BF16_X86
   Bf16Panels panels;  // AVX512-BF16: beta Q, keys, values in the kernels' layouts
 #endif
-  Bf16RoundedFloats rounded;  // generic: bf16(beta Q), bf16(keys)^T, bf16(values) as floats
-  Matrix<float> wcols;        // r x 2: [w, |w|] (fp32 denominators)
+  // Portable path: bf16(beta Q) (row-major), bf16(keys)^T and bf16(values) widened to float,
+  // multiplied by `product_rc` (the product expression RP-Cholesky already instantiates).
+  RowMajorMatrix<float> qr;
+  Matrix<float> kt, vr;
+  Vector<float> w, absw;  // weights and |weights| (fp32 denominators)
 };
 
 constexpr Index kWtdTile = 128;  // queries per task
@@ -332,6 +335,7 @@ struct WtdWorkspace {
   Matrix<double> C, Lmin, L;
   Matrix<float> S, acc, den;  // bf16 path: kWtdTile x rpad scores / P, kWtdTile x dvpad, x 2
   Bf16Buffer pv;              // bf16 path (AVX512-BF16): P in VNNI pairs
+  RowMajorMatrix<float> Pr;   // bf16 path (portable): the rounded P, row-major
   WtdWorkspace(Index r, Index dv, Index nblocks, Index ninexact, bool bf16)
       : Z(bf16 ? 0 : r, kWtdTile),
         N(bf16 ? 0 : dv + 2, kWtdTile),
@@ -363,7 +367,7 @@ void wtd_products_bf16(const WtdContext<Scalar>& cx, const WildcatOptions& o, In
     if (cx.isa != Isa::Generic) avx512_scores(cx.panels, i0 / 16, 0, tp, rp, s, ld);
 #endif
     if (cx.isa == Isa::Generic)
-      ws.S.topLeftCorner(t, r).noalias() = cx.rounded.q.middleRows(i0, t) * cx.rounded.kt;
+      product_rc<float>(ws.S.topLeftCorner(t, r), cx.qr.middleRows(i0, t), cx.kt);
     auto S = ws.S.topLeftCorner(t, r);
     Vector<float> mx = Vector<float>::Constant(t, -std::numeric_limits<float>::infinity());
     for (Index j = 0; j < r; ++j) {
@@ -375,9 +379,15 @@ void wtd_products_bf16(const WtdContext<Scalar>& cx, const WildcatOptions& o, In
       for (Index j = cx.tail_begin + 1; j < r; ++j) tm = tm.cwiseMin(S.col(j));
       tail_min = tm.template cast<double>();
     }
-    for (Index j = 0; j < r; ++j) S.col(j) = (S.col(j) - mx).array().exp().matrix();
+    // P = exp(S - max) and the fp32 denominators P w, P |w| from the unrounded P, column by
+    // column (vectorised along the queries; no product expression to instantiate).
     auto D = ws.den.topRows(t);
-    D.noalias() = S * cx.wcols;  // fp32 denominators from the unrounded P
+    D.setZero();
+    for (Index j = 0; j < r; ++j) {
+      S.col(j) = (S.col(j) - mx).array().exp().matrix();
+      D.col(0) += cx.w(j) * S.col(j);
+      D.col(1) += cx.absw(j) * S.col(j);
+    }
     auto A = ws.acc.topLeftCorner(tp, round_up(dv, 32));
     A.setZero();
 #if EFFATTN_BF16_X86
@@ -389,7 +399,8 @@ void wtd_products_bf16(const WtdContext<Scalar>& cx, const WildcatOptions& o, In
 #endif
     if (cx.isa == Isa::Generic) {
       round_tile_to_bf16(s, ld, t, r);
-      ws.acc.topLeftCorner(t, dv).noalias() = S * cx.rounded.v;
+      ws.Pr = S;
+      product_rc<float>(ws.acc.topLeftCorner(t, dv), ws.Pr, cx.vr);
     }
     // O = acc / den per row, with the fallback and clipping of the fp32 path, column by column
     // (contiguous in the column-major tile and output).
@@ -508,16 +519,26 @@ void wildcat_attend(const ConstRef<Scalar>& Q, const CompressedKV<Scalar>& ckv, 
     cx.isa = EFFATTN_BF16_X86 && bf16_isa != Isa::Generic && isa_available(bf16_isa)
                  ? Isa::Avx512Bf16
                  : Isa::Generic;
-    cx.wcols.resize(r, 2);
-    cx.wcols.col(0) = ckv.weights.template cast<float>();
-    cx.wcols.col(1) = ckv.weights.cwiseAbs().template cast<float>();
+    cx.w = ckv.weights.template cast<float>();
+    cx.absw = cx.w.cwiseAbs();
     if constexpr (std::is_same_v<Scalar, float>) {
 #if EFFATTN_BF16_X86
       if (cx.isa != Isa::Generic)
         pack_bf16_panels<float>(Q, ckv.keys, ckv.values, static_cast<float>(beta), cx.panels);
 #endif
-      if (cx.isa == Isa::Generic)
-        round_to_bf16_floats<float>(Q, ckv.keys, ckv.values, static_cast<float>(beta), cx.rounded);
+      if (cx.isa == Isa::Generic) {
+        const Index d = Q.cols();
+        const auto sc = static_cast<float>(beta);
+        cx.qr.resize(n, d);
+        cx.kt.resize(d, r);
+        cx.vr.resize(r, dv);
+        for (Index i = 0; i < n; ++i)
+          for (Index c = 0; c < d; ++c) cx.qr(i, c) = rounded_float(Q(i, c), sc);
+        for (Index j = 0; j < r; ++j)
+          for (Index c = 0; c < d; ++c) cx.kt(c, j) = rounded_float(ckv.keys(j, c), 1.0f);
+        for (Index c = 0; c < dv; ++c)
+          for (Index j = 0; j < r; ++j) cx.vr(j, c) = rounded_float(ckv.values(j, c), 1.0f);
+      }
     }
   } else {
     cx.ks = ckv.keys * static_cast<Scalar>(beta);
