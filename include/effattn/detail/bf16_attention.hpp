@@ -70,15 +70,19 @@ struct Bf16Workspace {
 
 /// acc rows [0, rows) *= alpha, the rescale factors exp(m_old - m_new) that
 /// `online_softmax_update` leaves in ws.t.alpha; skipped when every factor is 1. O(rows dv).
+template <typename = void>  // instantiated where used (compile cost)
 inline void rescale_accumulator(Index rows, Bf16Workspace& ws) {
   const auto alpha = ws.t.alpha.head(rows);
   if ((alpha == 1.0f).all()) return;
   for (Index c = 0; c < ws.acc.cols(); ++c) ws.acc.col(c).head(rows).array() *= alpha;
 }
 
-/// The generic path: Eigen float GEMMs on the bf16-rounded operands, P rounded to bf16.
+/// The generic path: Eigen float GEMMs on the bf16-rounded operands, P rounded to bf16. A
+/// template only so that its two GEMMs are instantiated where the kernel is used, not in every
+/// translation unit that includes exact.hpp (1-1.5 s of a compiled-mode user TU).
+template <typename Rounded = Bf16RoundedFloats>
 struct GenericBf16Kernel {
-  const Bf16RoundedFloats& r;
+  const Rounded& r;
   Index acc_cols() const { return r.v.cols(); }
   Bf16Workspace workspace(Index bq_pad, Index bk_pad) const {
     return Bf16Workspace(bq_pad, bk_pad, acc_cols());
@@ -338,7 +342,7 @@ void tiled_attention_bf16(const Eigen::Ref<const Matrix<In>>& Q,
   (void)isa;
   Bf16RoundedFloats rounded;
   round_to_bf16_floats<In>(Q, K, V, scale, rounded);
-  bf16_attention_run(GenericBf16Kernel{rounded}, n, m, dv, bias, causal, plan, out, lse);
+  bf16_attention_run(GenericBf16Kernel<>{rounded}, n, m, dv, bias, causal, plan, out, lse);
 }
 
 }  // namespace detail

@@ -218,6 +218,7 @@ Basis recover_grid(const Oracle& oracle, const RecoveryParams& p) {
 
 /// Output row i recomputed directly from the basis in O(i d): logits H'[i, j] with its own max
 /// subtraction (so no under/overflow), weights in double.
+template <typename = void>  // instantiated where used (compile cost)
 inline void direct_row(const Basis& b, const Matrix<double>& Vd, Index i, Vector<double>& w,
                        Matrix<double>& Y) {
   constexpr double ninf = -std::numeric_limits<double>::infinity();

@@ -116,6 +116,7 @@ struct EvaLevel {
 };
 
 /// A learned chunk-summary map y = LN(W x + b), evaluated in double (W empty: identity).
+template <typename = void>  // instantiated where used (compile cost)
 inline void apply_summary_map(const eva::SummaryMap& map, const Eigen::VectorXd& x,
                               Eigen::VectorXd& y) {
   if (map.weight.size() > 0) {

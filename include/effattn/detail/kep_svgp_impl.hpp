@@ -290,6 +290,7 @@ void kep_canonical_signs(Matrix<Scalar>& He, Matrix<Scalar>& Hr) {
 }
 
 /// Clamped difference a - b (double), for residual norms ||K_i||^2 - ||E_i||^2.
+template <typename = void>  // instantiated where used (compile cost)
 inline Eigen::VectorXd kep_clamped_diff(const Eigen::VectorXd& a, const Eigen::VectorXd& b) {
   return (a - b).cwiseMax(0.0);
 }

@@ -240,6 +240,7 @@ Eigen::Array<double, Eigen::Dynamic, 1> vcc_row_lse(const Matrix<Scalar>& QPs,
 /// the log-count and, for MeanProb, minus the row normalisers): log sum_i exp(z_i).
 /// NaN (overflowed logits) becomes -inf so that orderings stay strict; the attention itself then
 /// reports the non-finite result.
+template <typename = void>  // instantiated where used (compile cost)
 inline double vcc_log_sum_exp(const Eigen::Array<double, Eigen::Dynamic, 1>& z) {
   const double mx = z.maxCoeff();
   if (!std::isfinite(mx))
