@@ -24,6 +24,7 @@
 using namespace effattn;
 using effattn::testing::bitwise_equal;
 using effattn::testing::max_abs_error;
+using effattn::testing::randn;
 using effattn::testing::rel_fro_error;
 
 namespace {
@@ -34,12 +35,6 @@ template <typename Scalar>
 using CBBin = ConvBasisAttention<Scalar, fft::Default, policy::BinarySearch>;
 template <typename Scalar>
 using CBGrid = ConvBasisAttention<Scalar, fft::Default, policy::Grid>;
-
-template <typename Scalar>
-Matrix<Scalar> randn(Index r, Index c, std::uint64_t seed) {
-  Rng rng = make_rng(seed);
-  return random_normal<Scalar>(r, c, rng);
-}
 
 // Softmax attention of explicit logits H (n x n) with the mask "j <= i, i - j < window (0 = no
 // window), same block of `block` rows (0 = one block)", by loops in long double.

@@ -15,14 +15,9 @@ using namespace effattn;
 using effattn::testing::bitwise_equal;
 using effattn::testing::loop_attention;
 using effattn::testing::max_abs_error;
+using effattn::testing::randn;
 
 namespace {
-
-template <typename Scalar>
-Matrix<Scalar> randn(Index r, Index c, std::uint64_t seed) {
-  Rng rng = make_rng(seed);
-  return random_normal<Scalar>(r, c, rng);
-}
 
 // Tolerance for max |O - O_ref| relative to max |V|: float round-off grows with the number of
 // terms; 2e-5 for float is ~170 ulp, measured errors are below 2e-6 on these sizes.

@@ -6,14 +6,17 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <random>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include <effattn/core/errors.hpp>
+#include <effattn/core/random.hpp>
 #include <effattn/core/types.hpp>
 
 #if defined(_OPENMP)
@@ -22,6 +25,29 @@
 
 namespace effattn {
 namespace testing {
+
+/// True when the environment variable EFFATTN_TEST_VERBOSE is set: tests then print the measured
+/// quantities their tolerance comments quote.
+inline bool verbose() {
+  return std::getenv("EFFATTN_TEST_VERBOSE") != nullptr;
+}
+
+/// True for Scalar = float (the tests' float / double tolerance switch).
+template <typename Scalar>
+constexpr bool is_float() {
+  return std::is_same<Scalar, float>::value;
+}
+
+/// rows x cols matrix of N(0, sd^2) entries from the library's seeded generator
+/// (`make_rng(seed, stream)`, `fill_normal`): the per-method tests' random inputs.
+template <typename Scalar>
+Matrix<Scalar> randn(Index rows, Index cols, std::uint64_t seed, double sd = 1.0,
+                     std::uint64_t stream = 0) {
+  Rng rng = make_rng(seed, stream);
+  Matrix<Scalar> m(rows, cols);
+  fill_normal(m, rng, 0.0, sd);
+  return m;
+}
 
 /// rows x cols matrix of independent N(0, sd^2) entries from std::mt19937_64(seed), drawn column
 /// by column (the same values for the same arguments on every platform's libstdc++).

@@ -20,19 +20,15 @@
 
 using namespace effattn;
 using effattn::testing::bitwise_equal;
+using effattn::testing::is_float;
 using effattn::testing::loop_attention;
 using effattn::testing::max_abs_error;
+using effattn::testing::randn;
 using effattn::testing::rel_fro_error;
 
 namespace {
 
 using Segs = std::vector<VccSegment>;
-
-template <typename Scalar>
-Matrix<Scalar> randn(Index r, Index c, std::uint64_t seed) {
-  Rng rng = make_rng(seed);
-  return random_normal<Scalar>(r, c, rng);
-}
 
 // `count` distinct rows of [0, n), sorted (partial Fisher-Yates).
 std::vector<Index> random_rows(Index n, Index count, std::uint64_t seed) {
@@ -142,11 +138,6 @@ Matrix<double> oracle(const Matrix<Scalar>& Qrows, const Matrix<double>& K, cons
   ExactOptions o;
   o.scale = scale;
   return ExactAttention<double, policy::Naive>(o)(Qd, K, V);
-}
-
-template <typename Scalar>
-constexpr bool is_float() {
-  return std::is_same<Scalar, float>::value;
 }
 
 // Runs VccAttention<Scalar, Sel, Score, Mode> with options `o`.

@@ -24,29 +24,15 @@
 
 using namespace effattn;
 using effattn::testing::bitwise_equal;
+using effattn::testing::is_float;
 using effattn::testing::loop_attention;
 using effattn::testing::max_abs_error;
+using effattn::testing::randn;
 using effattn::testing::rel_fro_error;
+using effattn::testing::verbose;
 using effattn::testing::with_threads;
 
 namespace {
-
-bool verbose() {
-  return std::getenv("EFFATTN_TEST_VERBOSE") != nullptr;
-}
-
-template <typename Scalar>
-constexpr bool is_float() {
-  return std::is_same<Scalar, float>::value;
-}
-
-template <typename Scalar>
-Matrix<Scalar> randn(Index r, Index c, std::uint64_t seed, double sd = 1.0) {
-  Rng rng = make_rng(seed);
-  Matrix<Scalar> m(r, c);
-  fill_normal(m, rng, 0.0, sd);
-  return m;
-}
 
 // Rows uniform on the sphere of radius R.
 Matrix<double> sphere(Index r, Index d, double R, std::uint64_t seed) {

@@ -130,21 +130,38 @@ struct Bf16RoundedFloats {
   Matrix<float> q, kt, v;
 };
 
+/// q = bf16(scale Q), kt = bf16(K)^T, v = bf16(V), each widened back to float (In = float or
+/// Eigen::bfloat16). `QOut` is column- or row-major (WildCat's portable path multiplies a
+/// row-major q through RP-Cholesky's product expression); q is written along its storage order.
+/// O((n + m) d).
+template <typename In, typename QOut>
+void round_to_bf16_floats(const Eigen::Ref<const Matrix<In>>& Q,
+                          const Eigen::Ref<const Matrix<In>>& K,
+                          const Eigen::Ref<const Matrix<In>>& V, float scale, QOut& q,
+                          Matrix<float>& kt, Matrix<float>& v) {
+  q.resize(Q.rows(), Q.cols());
+  kt.resize(K.cols(), K.rows());
+  v.resize(V.rows(), V.cols());
+  if constexpr (QOut::IsRowMajor) {
+    for (Index i = 0; i < Q.rows(); ++i)
+      for (Index c = 0; c < Q.cols(); ++c) q(i, c) = rounded_float(Q(i, c), scale);
+  } else {
+    for (Index c = 0; c < Q.cols(); ++c)
+      for (Index i = 0; i < Q.rows(); ++i) q(i, c) = rounded_float(Q(i, c), scale);
+  }
+  for (Index j = 0; j < K.rows(); ++j)
+    for (Index c = 0; c < K.cols(); ++c) kt(c, j) = rounded_float(K(j, c), 1.0f);
+  for (Index c = 0; c < V.cols(); ++c)
+    for (Index j = 0; j < V.rows(); ++j) v(j, c) = rounded_float(V(j, c), 1.0f);
+}
+
 /// Fills `Bf16RoundedFloats` from Q, K, V (In = float or Eigen::bfloat16). O((n + m) d).
 template <typename In>
 void round_to_bf16_floats(const Eigen::Ref<const Matrix<In>>& Q,
                           const Eigen::Ref<const Matrix<In>>& K,
                           const Eigen::Ref<const Matrix<In>>& V, float scale,
                           Bf16RoundedFloats& r) {
-  r.q.resize(Q.rows(), Q.cols());
-  r.kt.resize(K.cols(), K.rows());
-  r.v.resize(V.rows(), V.cols());
-  for (Index c = 0; c < Q.cols(); ++c)
-    for (Index i = 0; i < Q.rows(); ++i) r.q(i, c) = rounded_float(Q(i, c), scale);
-  for (Index j = 0; j < K.rows(); ++j)
-    for (Index c = 0; c < K.cols(); ++c) r.kt(c, j) = rounded_float(K(j, c), 1.0f);
-  for (Index c = 0; c < V.cols(); ++c)
-    for (Index j = 0; j < V.rows(); ++j) r.v(j, c) = rounded_float(V(j, c), 1.0f);
+  round_to_bf16_floats<In>(Q, K, V, scale, r.q, r.kt, r.v);
 }
 
 /// dst[i] = src[i] rounded to bf16 and widened back to float, for i < count (contiguous).

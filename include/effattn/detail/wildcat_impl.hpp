@@ -526,19 +526,9 @@ void wildcat_attend(const ConstRef<Scalar>& Q, const CompressedKV<Scalar>& ckv, 
       if (cx.isa != Isa::Generic)
         pack_bf16_panels<float>(Q, ckv.keys, ckv.values, static_cast<float>(beta), cx.panels);
 #endif
-      if (cx.isa == Isa::Generic) {
-        const Index d = Q.cols();
-        const auto sc = static_cast<float>(beta);
-        cx.qr.resize(n, d);
-        cx.kt.resize(d, r);
-        cx.vr.resize(r, dv);
-        for (Index i = 0; i < n; ++i)
-          for (Index c = 0; c < d; ++c) cx.qr(i, c) = rounded_float(Q(i, c), sc);
-        for (Index j = 0; j < r; ++j)
-          for (Index c = 0; c < d; ++c) cx.kt(c, j) = rounded_float(ckv.keys(j, c), 1.0f);
-        for (Index c = 0; c < dv; ++c)
-          for (Index j = 0; j < r; ++j) cx.vr(j, c) = rounded_float(ckv.values(j, c), 1.0f);
-      }
+      if (cx.isa == Isa::Generic)
+        round_to_bf16_floats<float>(Q, ckv.keys, ckv.values, static_cast<float>(beta), cx.qr, cx.kt,
+                                    cx.vr);
     }
   } else {
     cx.ks = ckv.keys * static_cast<Scalar>(beta);
