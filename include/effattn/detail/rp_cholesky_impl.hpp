@@ -401,7 +401,8 @@ void rp_run_accelerated(const Kernel& kernel, RpWork<S>& st, Rng& rng, Index blo
       const Index jp = accepted[static_cast<std::size_t>(p)];
       idx[static_cast<std::size_t>(p)] = cand[static_cast<std::size_t>(jp)];
       // k0 = 0: Fc and Fa have no rows and may hold null data, where a column block's pointer
-      // offset is already undefined behaviour (UBSan, the fuzz regression wildcat_first_block)
+      // offset is already undefined behaviour (UBSan; the fuzz regression input
+      // tests/fuzz/regressions/wildcat_first_block_offset.bin)
       if (k0 > 0) Fa.col(p) = Fc.col(jp);
     }
     auto R = st.F.middleRows(k0, a);
