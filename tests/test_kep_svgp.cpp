@@ -30,16 +30,16 @@ namespace ks = effattn::kepsvgp;
 
 namespace {
 
+// This file's inputs come from stream 31 of the shared generator (testing::randn).
 template <typename Scalar>
 Matrix<Scalar> randn(Index r, Index c, std::uint64_t seed) {
-  Rng rng = make_rng(seed, 31);
-  return random_normal<Scalar>(r, c, rng);
+  return effattn::testing::randn<Scalar>(r, c, seed, 1.0, 31);
 }
 
 // Prints a measured quantity when EFFATTN_TEST_VERBOSE is set: the values quoted in the
 // tolerance comments come from this output (2 threads, GCC 12 -O2 -march=native).
 void report(const char* what, double value) {
-  if (std::getenv("EFFATTN_TEST_VERBOSE")) std::printf("  [kep_svgp] %s = %.3e\n", what, value);
+  if (effattn::testing::verbose()) std::printf("  [kep_svgp] %s = %.3e\n", what, value);
 }
 
 // Row-softmax kernel by long-double loops (independent of effattn's softmax).
