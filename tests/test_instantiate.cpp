@@ -5,24 +5,38 @@
 #include <effattn/effattn.hpp>
 #include <effattn/workloads.hpp>
 
+// The default-policy functors: in compiled mode (this test links effattn::compiled when it is
+// built) src/ instantiates exactly these, with the same explicit instantiation definitions, so
+// compiling them again here would only repeat that work (they were most of this file's 530 s).
+#ifndef EFFATTN_COMPILED
 template class effattn::ExactAttention<float, effattn::policy::Tiled>;
 template class effattn::ExactAttention<double, effattn::policy::Tiled>;
 template class effattn::ExactAttention<float, effattn::policy::Naive>;
 template class effattn::ExactAttention<double, effattn::policy::Naive>;
-template struct effattn::ExactResult<float>;
-template struct effattn::ExactResult<double>;
-template struct effattn::workloads::Workload<float>;
-template struct effattn::workloads::Workload<double>;
 template class effattn::VccAttention<float>;
 template class effattn::VccAttention<double>;
-template class effattn::VccAttention<double, effattn::policy::BestFirstDyadic,
-                                     effattn::policy::SumExp, effattn::policy::ExactQuery>;
 template class effattn::VccTree<float>;
 template class effattn::VccTree<double>;
 template class effattn::EvaAttention<float>;
 template class effattn::EvaAttention<double>;
 template class effattn::PerformerAttention<float>;
 template class effattn::PerformerAttention<double>;
+template class effattn::ConvBasisAttention<float>;
+template class effattn::ConvBasisAttention<double>;
+template class effattn::WildcatAttention<float>;
+template class effattn::WildcatAttention<double>;
+template class effattn::KepSvgpAttention<float>;
+template class effattn::KepSvgpAttention<double>;
+template class effattn::fft::CausalConv<float>;
+template class effattn::fft::CausalConv<double>;
+#endif
+
+template struct effattn::ExactResult<float>;
+template struct effattn::ExactResult<double>;
+template struct effattn::workloads::Workload<float>;
+template struct effattn::workloads::Workload<double>;
+template class effattn::VccAttention<double, effattn::policy::BestFirstDyadic,
+                                     effattn::policy::SumExp, effattn::policy::ExactQuery>;
 template class effattn::RpCholesky<effattn::policy::RandomlyPivoted>;
 template class effattn::RpCholesky<effattn::policy::AcceleratedRandomlyPivoted>;
 template class effattn::RpCholesky<effattn::policy::GreedyPivoted>;
@@ -34,26 +48,18 @@ template class effattn::GaussianKernel<double>;
 template struct effattn::RpCholeskyResult<float>;
 template struct effattn::RpCholeskyResult<double>;
 template struct effattn::NystromResult<double>;
-template class effattn::ConvBasisAttention<float>;
-template class effattn::ConvBasisAttention<double>;
 template class effattn::ConvBasisAttention<double, effattn::fft::EigenFft,
                                            effattn::policy::BinarySearch>;
 template class effattn::ConvBasisAttention<float, effattn::fft::Default, effattn::policy::Grid,
                                            float>;
-template class effattn::WildcatAttention<float>;
-template class effattn::WildcatAttention<double>;
 template class effattn::WildcatAttention<double, effattn::policy::RandomlyPivoted>;
 template struct effattn::CompressedKV<float>;
 template struct effattn::CompressedKV<double>;
-template class effattn::KepSvgpAttention<float>;
-template class effattn::KepSvgpAttention<double>;
 template class effattn::KepSvgpAttention<double, effattn::policy::SoftmaxRowKernel,
                                          effattn::policy::DenseSvd, effattn::policy::Addition>;
 template class effattn::KepSvgpAttention<float, effattn::policy::CosineKernel,
                                          effattn::policy::FactorizedSvd,
                                          effattn::policy::Concatenation>;
-template class effattn::fft::CausalConv<float>;
-template class effattn::fft::CausalConv<double>;
 template class effattn::fft::CausalConv<float, effattn::fft::EigenFft, float>;
 
 TEST_CASE("Every public class template instantiates for float and double", "[instantiate]") {
