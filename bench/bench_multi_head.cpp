@@ -7,7 +7,9 @@
 //     time), `of_single` (MultiHead GFLOP/s / single-head GFLOP/s);
 //   decode/<order>/m: MultiHead vs the per-head loop and a streaming-read loop over the same K
 //     and V buffers (OpenMP, vectorised sum); counters `GB/s`, `of_stream` (MultiHead bandwidth /
-//     streaming bandwidth), `x_vs_loop`.
+//     streaming bandwidth), `x_vs_loop`;
+//   decode_order/tile: the same cache only summed, in the decoding kernel's order (head slice by
+//     head slice over tiles of `tile` keys) vs whole rows in order: `of_rows`.
 // Usage: bench_multi_head [--benchmark_filter=prefill/row] ...; smoke: --benchmark_filter=/smoke/
 #include "common.hpp"
 
@@ -148,6 +150,39 @@ void bm_decode(benchmark::State& state) {
   state.SetComplexityN(m);
 }
 
+/// decode_order/<tile>: the cache of decode/row/32768 (G = 8, d = 128, row-major) only summed,
+/// no attention, in the decoding kernel's order, split like it into 32 key ranges over the
+/// threads: per tile of `tile` keys, head slice by head slice (the 512 B of kv head g of every
+/// key of the tile, K then V), against whole rows in order in the same iteration. Counters
+/// `GB/s` (slice order), `row_GB/s`, `of_rows` (slice / row bandwidth): what the access order
+/// alone costs, whatever the arithmetic.
+void bm_decode_order(benchmark::State& state) {
+  const Index m = 32768, G = 8, d = 128, W = G * d, tile = state.range(0);
+  const RowMat K = packed<RowMat>(m, W, 5), V = packed<RowMat>(m, W, 6);
+  using Slice = Eigen::Map<const RowMat, 0, Eigen::OuterStride<>>;
+  double t_slices = 0, t_rows = 0;
+  for (auto _ : state) {
+    const double t = seconds([&] {
+      float total = 0;
+#pragma omp parallel for reduction(+ : total) schedule(static)
+      for (Index s = 0; s < 32; ++s)
+        for (Index j0 = s * m / 32; j0 < (s + 1) * m / 32; j0 += tile)
+          for (Index g = 0; g < G; ++g)
+            total += Slice(K.data() + j0 * W + g * d, tile, d, Eigen::OuterStride<>(W)).sum() +
+                     Slice(V.data() + j0 * W + g * d, tile, d, Eigen::OuterStride<>(W)).sum();
+      benchmark::DoNotOptimize(total);
+    });
+    state.SetIterationTime(t);
+    t_slices += t;
+    t_rows += seconds([&] { benchmark::DoNotOptimize(stream_read(K, V)); });
+  }
+  const double bytes = 2.0 * static_cast<double>(K.size()) * sizeof(float);
+  const double iters = static_cast<double>(state.iterations());
+  state.counters["GB/s"] = bytes / (t_slices / iters) * 1e-9;
+  state.counters["row_GB/s"] = bytes / (t_rows / iters) * 1e-9;
+  state.counters["of_rows"] = t_rows / t_slices;
+}
+
 void prefill_args(benchmark::internal::Benchmark* b) {
   b->UseManualTime()->Unit(benchmark::kMillisecond)->MinTime(1.0);
   for (const int L : {128, 512, 2048}) b->Arg(L);
@@ -173,6 +208,14 @@ int main(int argc, char** argv) {
   }
   benchmark::RegisterBenchmark("decode/row", bm_decode<RowMat>)->Apply(decode_args);
   benchmark::RegisterBenchmark("decode/col", bm_decode<ColMat>)->Apply(decode_args);
+  benchmark::RegisterBenchmark("decode_order", bm_decode_order)
+      ->UseManualTime()
+      ->Unit(benchmark::kMillisecond)
+      ->MinTime(0.5)
+      ->Arg(256)
+      ->Arg(32)
+      ->Arg(8)
+      ->Arg(4);
   // Smoke run for ctest: the smallest sizes, one iteration each.
   benchmark::RegisterBenchmark("smoke/prefill",
                                [](benchmark::State& s) { bm_prefill<RowMat>(s, true, false); })

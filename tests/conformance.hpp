@@ -158,7 +158,7 @@ std::vector<ConformanceEntry> conformance_report(const ConformanceConfig& cfg, R
 /// Runs the suite and asserts every property with Catch2.
 template <typename Scalar, typename Run>
 void check_conformance(const ConformanceConfig& cfg, Run&& run) {
-  const bool verbose = std::getenv("EFFATTN_TEST_VERBOSE") != nullptr;
+  const bool verbose = testing::verbose();
   for (const ConformanceEntry& e : conformance_report<Scalar>(cfg, run)) {
     INFO(cfg.name << " on " << workloads::name(e.kind) << ", n=" << e.shape.n << " m=" << e.shape.m
                   << " d=" << e.shape.d << " dv=" << e.shape.dv << " causal=" << cfg.causal

@@ -207,7 +207,7 @@ void check_subject(const Subject<Scalar>& sub, const Case<Scalar>& c, const Cons
       REQUIRE(r.first.cols() == V.cols());
       const double err = rel_fro_error(r.first, ref);
       INFO("relative error " << err << ", max |logit| " << c.max_logit);
-      if (std::getenv("EFFATTN_TEST_VERBOSE"))
+      if (effattn::testing::verbose())
         std::printf("[edge] %s %s, %s: err %.3g (max |logit| %.1f, tol %.3g)\n", sub.name.c_str(),
                     sizeof(Scalar) == 4 ? "float" : "double", c.name.c_str(), err, c.max_logit,
                     exact_tol<Scalar>(c.max_logit, sub.tol_eps));

@@ -255,7 +255,7 @@ double real_head_fraction(const std::string& method, bool causal) {
 TEMPLATE_TEST_CASE("lm: every method at its defaults on real heads", "[lm][conformance]", float,
                    double) {
   using S = TestType;
-  const bool verbose = std::getenv("EFFATTN_TEST_VERBOSE") != nullptr;
+  const bool verbose = effattn::testing::verbose();
   for (const std::string model_name : {"decoder", "encoder"}) {
     WorkloadSpec spec;
     spec.model = model_name;
