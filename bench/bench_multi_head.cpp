@@ -15,6 +15,7 @@
 
 #include <effattn/multi_head.hpp>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <string>
@@ -165,11 +166,15 @@ void bm_decode_order(benchmark::State& state) {
     const double t = seconds([&] {
       float total = 0;
 #pragma omp parallel for reduction(+ : total) schedule(static)
-      for (Index s = 0; s < 32; ++s)
-        for (Index j0 = s * m / 32; j0 < (s + 1) * m / 32; j0 += tile)
+      for (Index s = 0; s < 32; ++s) {
+        const Index end = (s + 1) * m / 32;
+        for (Index j0 = s * m / 32; j0 < end; j0 += tile) {
+          const Index rows = std::min(tile, end - j0);  // any tile, not only divisors of m / 32
           for (Index g = 0; g < G; ++g)
-            total += Slice(K.data() + j0 * W + g * d, tile, d, Eigen::OuterStride<>(W)).sum() +
-                     Slice(V.data() + j0 * W + g * d, tile, d, Eigen::OuterStride<>(W)).sum();
+            total += Slice(K.data() + j0 * W + g * d, rows, d, Eigen::OuterStride<>(W)).sum() +
+                     Slice(V.data() + j0 * W + g * d, rows, d, Eigen::OuterStride<>(W)).sum();
+        }
+      }
       benchmark::DoNotOptimize(total);
     });
     state.SetIterationTime(t);
