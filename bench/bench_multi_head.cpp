@@ -222,12 +222,12 @@ int main(int argc, char** argv) {
       ->Arg(8)
       ->Arg(4);
   // Smoke run for ctest: the smallest sizes, one iteration each.
-  benchmark::RegisterBenchmark("smoke/prefill",
+  benchmark::RegisterBenchmark("multi_head/smoke/prefill",
                                [](benchmark::State& s) { bm_prefill<RowMat>(s, true, false); })
       ->UseManualTime()
       ->Arg(16)
       ->Iterations(1);
-  benchmark::RegisterBenchmark("smoke/decode", bm_decode<RowMat>)
+  benchmark::RegisterBenchmark("multi_head/smoke/decode", bm_decode<RowMat>)
       ->UseManualTime()
       ->Arg(64)
       ->Iterations(1);
