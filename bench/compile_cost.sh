@@ -4,7 +4,8 @@
 # a time, each timed by /usr/bin/time (wall seconds, peak resident memory):
 #   main.cpp (calls all seven functors once, float, defaults) header-only   -> effattn_consumer
 #   the same TU against effattn::compiled                                   -> ..._compiled
-#   the same TU against effattn::headers (no FFTW)                          -> ..._nofftw
+#   the same TU against effattn::headers (no FFTW), calling only exact attention and
+#   Conv-Basis (the FFT user), to check the GPL opt-out                     -> ..._nofftw
 #   an <Eigen/Dense>-only TU with one GEMM, the yardstick                    -> eigen_only
 # then runs the three consumers (each checks its results). Prints a table with the ratios to
 # the Eigen-only TU and the README's bars (header-only <= 10x and <= 1.5 GB, compiled <= 3x).
