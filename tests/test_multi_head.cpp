@@ -214,6 +214,58 @@ TEMPLATE_TEST_CASE("MultiHead decoding against long caches equals exact attentio
   }
 }
 
+TEST_CASE("MultiHead decoding: every shape of the fp32 kernel, against the double reference",
+          "[multi_head][decode]") {
+  // The fp32 decoding kernel (detail/decode_avx512.hpp; the Eigen path when the CPU lacks
+  // AVX-512 or EFFATTN_ISA=generic, which ctest also runs: test_multi_head_generic) works on
+  // 1-4 rows of a group (GQA 4, group 3, MHA), 16-key sub-tiles (caches that are not multiples of
+  // 16), 64- and 16-column value chunks (dv 16, 48, 80, 128) and a lazy running maximum: keys
+  // grow along the cache, so the tiles' maxima rise by far more than its threshold (8) and the
+  // accumulator is rescaled many times. A non-finite key is reported.
+  struct Shape {
+    HeadLayout layout;
+    Index d, dv;
+  };
+  const SeqOffsets ck = offsets_of({1000 + 7, 33, 16});
+  for (const Shape sh : {Shape{{8, 2}, 128, 128}, Shape{{6, 2}, 64, 80}, Shape{{5, 5}, 16, 48},
+                         Shape{{3, 1}, 48, 16}}) {
+    for (const Index nq : {1, 2}) {
+      const SeqOffsets cq = offsets_of({nq, nq, nq});
+      const Index H = sh.layout.heads, G = sh.layout.kv_heads;
+      Packed<float> p(cq.back(), ck.back(), H, G, sh.d, sh.dv, 41u);
+      for (Index j = 0; j < p.K.rows(); ++j)  // scores grow 16-fold along the cache
+        p.K.row(j) *= 0.2f + 3.0f * static_cast<float>(j) / static_cast<float>(p.K.rows());
+      ExactOptions o;
+      o.causal = true;
+      const auto r = MultiHead<ExactAttentionf>(o, sh.layout).compute(p.Q, p.K, p.V, cq, ck);
+      const auto n =
+          MultiHead<ExactAttention<double, policy::Naive>>(o, sh.layout)
+              .compute(RowMat<double>(p.Q.cast<double>()), RowMat<double>(p.K.cast<double>()),
+                       RowMat<double>(p.V.cast<double>()), cq, ck);
+      REQUIRE(r.info == Info::Success);
+      const double err =
+          rel_err<double>(Matrix<double>(r.output.cast<double>()), Matrix<double>(n.output));
+      double lse_err = 0;
+      for (Index b = 0; b < 3; ++b)
+        for (Index h = 0; h < H; ++h)
+          lse_err = std::max(
+              lse_err, (r.head(b, h).lse.cast<double>() - n.head(b, h).lse).cwiseAbs().maxCoeff() /
+                           (1 + n.head(b, h).lse.cwiseAbs().maxCoeff()));
+      INFO("heads " << H << " kv_heads " << G << " d " << sh.d << " dv " << sh.dv << " queries "
+                    << nq << ": rel. error " << err << ", lse " << lse_err);
+      if (testing::verbose())
+        std::printf("decode fp32 H %td G %td d %td dv %td nq %td: rel. error %.2e, lse %.2e\n", H,
+                    G, sh.d, sh.dv, nq, err, lse_err);
+      // float round-off (measured 2.2e-7 to 3.5e-7, lse 5e-8 to 1.5e-7, on both paths)
+      CHECK(err < 2e-6);
+      CHECK(lse_err < 2e-6);
+      p.K(500, 1) = std::numeric_limits<float>::quiet_NaN();  // inside the long cache
+      CHECK_THROWS_AS(MultiHead<ExactAttentionf>(o, sh.layout).compute(p.Q, p.K, p.V, cq, ck),
+                      effattn::invalid_argument);
+    }
+  }
+}
+
 TEST_CASE("MultiHead reads strided maps and evaluates expressions", "[multi_head]") {
   const Index H = 4, G = 2, d = 8, T = 50;
   const Packed<float> p(T, T, H, G, d, d, 3u);

@@ -67,7 +67,9 @@ void advise_huge_pages(const Dense& x) noexcept {
 
 /// Runs `body(task, workspace)` for every task in [0, count). Each thread builds one workspace
 /// with `make_workspace()` and reuses it for all the tasks it runs (dynamic schedule, chunk 1).
-/// The first exception thrown by any task is rethrown after the region ends.
+/// The exception of the lowest-numbered task that threw is rethrown after the region ends, so
+/// the error a caller sees does not depend on the thread count or the schedule (the serial path
+/// stops at that task).
 template <typename MakeWorkspace, typename Body>
 void parallel_for(Index count, MakeWorkspace&& make_workspace, Body&& body) {
   if (count <= 0) return;
@@ -88,6 +90,7 @@ void parallel_for(Index count, MakeWorkspace&& make_workspace, Body&& body) {
     return;
   }
   std::mutex error_mutex;
+  Index error_task = count;  // lowest task that threw (count: none)
   // The region is opened even for a single task: inside it Eigen's GEMM is always serial, so
   // every task computes bit-identical results whatever the thread count.
 #pragma omp parallel
@@ -100,7 +103,10 @@ void parallel_for(Index count, MakeWorkspace&& make_workspace, Body&& body) {
           body(t, workspace);
         } catch (...) {
           std::lock_guard<std::mutex> lock(error_mutex);
-          if (!error) error = std::current_exception();
+          if (t < error_task) {
+            error_task = t;
+            error = std::current_exception();
+          }
         }
       }
     } catch (...) {

@@ -19,17 +19,6 @@
 
 #if EFFATTN_BF16_X86
 
-/// Full unrolling of the 8-column register block: without it GCC at -O2 (the CI preset; -O3
-/// unrolls by itself) keeps the 16 accumulators a0[8], a1[8] in memory, a load and a store
-/// around every `vdpbf16ps` (measured: WildCat's bf16 coreset attention 1.5x slower at -O2).
-#if defined(__clang__)
-#define EFFATTN_UNROLL8 _Pragma("unroll 8")
-#elif defined(__GNUC__)
-#define EFFATTN_UNROLL8 _Pragma("GCC unroll 8")
-#else
-#define EFFATTN_UNROLL8
-#endif
-
 /// Target attribute of the AVX512-BF16 kernels.
 #define EFFATTN_TARGET_AVX512BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
 
