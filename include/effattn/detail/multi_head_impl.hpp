@@ -506,15 +506,16 @@ bool mh_decode_pass(const MhExactProblem<Scalar>& P, const MhBlock& blk, Index s
 #endif
   for (Index j0 = t.k_begin; j0 < t.k_end; j0 += P.bk) {
     const Index cols = std::min(P.bk, t.k_end - j0);
+    const bool diagonal = P.causal && j0 + cols - 1 > t.i0 + t.off;  // the mask cuts this tile
 #if EFFATTN_BF16_X86
     if constexpr (std::is_same_v<Scalar, float>) {
-      if (avx512 && !(P.causal && j0 + cols - 1 > t.i0 + t.off)) {
+      if (avx512 && !diagonal) {
         finite = mh_decode_tile_avx512(P, t, blk, j0, cols, ws) && finite;
         continue;
       }
     }
 #endif
-    if (!(P.causal && j0 + cols - 1 > t.i0 + t.off)) {  // no mask in this tile: row by row
+    if (!diagonal) {  // no mask in this tile: row by row
       for (Index g = t.g_first; g <= t.g_last; ++g) {
         const auto [r0, nr] = t.group_rows(blk, P.group, g);
         const RowMap<Scalar> Kt(P.K.at(t.kb + j0, g * d), cols, d, Eigen::OuterStride<>(P.K.outer));
@@ -548,7 +549,6 @@ bool mh_decode_pass(const MhExactProblem<Scalar>& P, const MhBlock& blk, Index s
       }
     }
     finite = finite && all_finite(S);
-    const bool diagonal = P.causal && j0 + cols - 1 > t.i0 + t.off;
     online_softmax_update<Scalar>(R, cols, diagonal, t.hider(blk, j0), ws, accr);
     // Rank-4 updates (four keys at a time): each accumulator row is loaded and stored once per
     // four keys.
