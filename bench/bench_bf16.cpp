@@ -241,7 +241,7 @@ void register_all() {
         for (std::int64_t n = 1024; n <= max_n; n *= 4) b->Arg(n);
         b->Unit(benchmark::kMillisecond)->UseRealTime()->Complexity(benchmark::oNSquared);
       }
-  for (const Index q : {1, 16})
+  for (const Index q : {1, 4, 16})
     for (const Path p : kPaths) {
       const std::string name =
           std::string("decode/") + path_name(p) + "/d128/q" + std::to_string(q);
@@ -287,7 +287,7 @@ void summary() {
         ratio("exact/fp32-tiled" + sfx, std::string("exact/") + p + sfx, what.c_str());
       }
   for (const std::int64_t m : {32768, 262144})
-    for (const char* q : {"q1", "q16"})
+    for (const char* q : {"q1", "q4", "q16"})
       for (const Path p : kPaths) {
         const auto a = t.find("stream/read/" + std::to_string(2 * m * 128));
         const auto b =

@@ -172,6 +172,66 @@ TEST_CASE("bf16 split-KV (decoding and short prompts) and key bias on every path
     }
 }
 
+TEST_CASE("bf16 fused decoding kernel: 1-4 rows, tails, rescales, bias, bf16 inputs",
+          "[bf16][decode]") {
+  std::vector<Isa> isas;
+  for (const Isa isa : {Isa::Avx512Bf16, Isa::Amx})
+    if (available_or_warn(isa)) isas.push_back(isa);
+  for (const Index n : {1, 2, 3, 4})
+    for (const Index d : {16, 18, 128})       // 18: a key-column pass of one column after four
+      for (const Index m : {5, 531, 4099}) {  // one chunk, a block tail, splits with tails
+        const auto w = workloads::make<float>(workloads::Kind::Gaussian,
+                                              workloads::Params::shape(n, m, d, d + 2));
+        // A bias rising by 100 along the cache: each 512-key block exceeds the running maximum by
+        // more than the lazy threshold (8), so the accumulator is rescaled. (Growing the keys
+        // instead gives logits of ~20 whose bf16 rounding alone is a 2% output error on every
+        // path.)
+        Vector<float> bias = Vector<float>::LinSpaced(m, 0.0f, 100.0f);
+        for (Index j = 3; j < m; j += 11) bias(j) = -std::numeric_limits<float>::infinity();
+        for (const bool causal : {false, true}) {
+          const Reference ref = reference(w.Q, w.K, w.V, nullptr, causal);
+          const Reference bref = reference(w.Q, w.K, w.V, &bias, causal);
+          for (const Isa isa : isas) {
+            INFO("path " << detail::isa_name(isa) << ", n = " << n << ", d = " << d << ", m = " << m
+                         << ", causal = " << causal);
+            const Bf16Out r = run_path<float>(isa, w.Q, w.K, w.V, nullptr, causal);
+            REQUIRE(detail::bf16_decode_fused(n, r.plan, isa));
+            check_against(r, ref, w.V);
+            check_against(run_path<float>(isa, w.Q, w.K, w.V, bias.data(), causal), bref, w.V);
+            // bf16 inputs: the same values give the same bits.
+            const Matrix<float> Qr = to_bf16(w.Q).cast<float>(), Kr = to_bf16(w.K).cast<float>(),
+                                Vr = to_bf16(w.V).cast<float>();
+            const Bf16Out rf = run_path<float>(isa, Qr, Kr, Vr, nullptr, causal);
+            const Bf16Out rb = run_path<Eigen::bfloat16>(isa, to_bf16(w.Q), to_bf16(w.K),
+                                                         to_bf16(w.V), nullptr, causal);
+            CHECK(bitwise_equal(rf.out, rb.out));
+            CHECK(bitwise_equal(rf.lse, rb.lse));
+          }
+        }
+      }
+}
+
+TEST_CASE("bf16 decoding: a non-finite key or value anywhere throws (K and V not pre-scanned)",
+          "[bf16][decode]") {
+  const auto w =
+      workloads::make<float>(workloads::Kind::Gaussian, workloads::Params::shape(2, 3000, 64, 64));
+  const float inf = std::numeric_limits<float>::infinity();
+  const ExactAttentionBf16 f;
+  REQUIRE(f.compute(w.Q, w.K, w.V).info == Info::Success);
+  for (const float bad : {std::numeric_limits<float>::quiet_NaN(), inf, -inf})
+    for (const Index row : {Index(0), Index(1500), Index(2999)})
+      for (const Index col : {Index(0), Index(63)}) {
+        INFO("value " << bad << " at (" << row << ", " << col << ")");
+        Matrix<float> K = w.K, V = w.V;
+        K(row, col) = bad;
+        CHECK_THROWS_WITH(f.compute(w.Q, K, w.V), Catch::Contains("K ("));
+        CHECK_THROWS_WITH(f.compute(to_bf16(w.Q), to_bf16(K), to_bf16(w.V)),
+                          Catch::Contains("K ("));
+        V(row, col) = bad;
+        CHECK_THROWS_WITH(f.compute(w.Q, w.K, V), Catch::Contains("V ("));
+      }
+}
+
 TEST_CASE("the bf16 paths agree with each other", "[bf16]") {
   for (const Index d : {16, 80, 128}) {
     const auto w =

@@ -398,6 +398,74 @@ TEMPLATE_TEST_CASE("Bad inputs throw invalid_argument naming the argument", "[ex
   throws_with([&] { (void)ExactAttention<Scalar>(causal).compute(Q, K, V, b); }, "masks every key");
 }
 
+TEST_CASE("fp32 decoding (the fused AVX-512 kernel): 1-4 rows, tails, rescales, bias, causal",
+          "[exact][decode]") {
+  const bool fused =
+      static_cast<int>(detail::selected_isa()) >= static_cast<int>(detail::Isa::Avx512Bf16);
+  if (!fused)
+    WARN("fused decoding kernel not available (active ISA '"
+         << active_isa() << "'): these cases test the Tiled kernel only");
+  for (const Index n : {1, 2, 3, 4})
+    for (const Index d : {16, 18, 128})       // 18: a key-column pass of one column after four
+      for (const Index m : {5, 531, 4099}) {  // one chunk, a block tail, splits with tails
+        const auto w = workloads::make<float>(workloads::Kind::Gaussian,
+                                              workloads::Params::shape(n, m, d, d + 2));
+        // A bias rising by 100 along the cache: each 512-key block exceeds the running maximum
+        // by more than the kernel's lazy threshold (8), so its accumulator is rescaled.
+        Vector<float> bias = Vector<float>::LinSpaced(m, 0.0f, 100.0f);
+        for (Index j = 3; j < m; j += 11) bias(j) = -std::numeric_limits<float>::infinity();
+        for (const bool causal : {false, true})
+          for (const bool with_bias : {false, true}) {
+            INFO("n = " << n << ", d = " << d << ", m = " << m << ", causal = " << causal
+                        << ", bias = " << with_bias);
+            ExactOptions o;
+            o.causal = causal;
+            const Matrix<double> Qd = w.Q.cast<double>(), Kd = w.K.cast<double>(),
+                                 Vd = w.V.cast<double>();
+            const ExactAttention<double, policy::Naive> naive(o);
+            const auto ref = with_bias ? naive.compute(Qd, Kd, Vd, bias.cast<double>())
+                                       : naive.compute(Qd, Kd, Vd);
+            ExactResult<float> r;
+            const double scale = detail::resolve_scale(0, d);
+            const bool ran = detail::exact_fp32_decode(
+                w.Q, w.K, w.V, with_bias ? bias.data() : nullptr, scale, o, "test", r);
+            CHECK(ran == fused);
+            if (!ran)
+              r = with_bias ? ExactAttentionf(o).compute(w.Q, w.K, w.V, bias)
+                            : ExactAttentionf(o).compute(w.Q, w.K, w.V);
+            REQUIRE(r.info == Info::Success);
+            CHECK(max_abs_error(r.output, ref.output) <=
+                  out_tol<float>() * Vd.cwiseAbs().maxCoeff());
+            CHECK(max_abs_error(r.lse, ref.lse) <= lse_tol<float>(ref.lse.cwiseAbs().maxCoeff()));
+            // The public functor takes the same kernel.
+            const auto pub = with_bias ? ExactAttentionf(o).compute(w.Q, w.K, w.V, bias)
+                                       : ExactAttentionf(o).compute(w.Q, w.K, w.V);
+            CHECK(bitwise_equal(pub.output, r.output));
+          }
+      }
+}
+
+TEST_CASE("fp32 decoding: a non-finite key or value anywhere throws (K and V not pre-scanned)",
+          "[exact][decode][errors]") {
+  const auto w =
+      workloads::make<float>(workloads::Kind::Gaussian, workloads::Params::shape(2, 3000, 64, 64));
+  const float inf = std::numeric_limits<float>::infinity();
+  const ExactAttentionf f;
+  REQUIRE(f.compute(w.Q, w.K, w.V).info == Info::Success);
+  for (const float bad : {std::numeric_limits<float>::quiet_NaN(), inf, -inf})
+    for (const Index row : {Index(0), Index(1500), Index(2999)})
+      for (const Index col : {Index(0), Index(63)}) {
+        INFO("value " << bad << " at (" << row << ", " << col << ")");
+        Matrix<float> K = w.K, V = w.V, Q = w.Q;
+        K(row, col) = bad;
+        CHECK_THROWS_WITH(f.compute(w.Q, K, w.V), Catch::Contains("K ("));
+        V(row, col) = bad;
+        CHECK_THROWS_WITH(f.compute(w.Q, w.K, V), Catch::Contains("V ("));
+        Q(row % 2, col) = bad;
+        CHECK_THROWS_WITH(f.compute(Q, w.K, w.V), Catch::Contains("Q ("));
+      }
+}
+
 TEMPLATE_TEST_CASE("Masked keys contribute exactly nothing, even with huge values", "[exact]",
                    float, double) {
   using Scalar = TestType;

@@ -33,10 +33,12 @@ void check_finite(const Eigen::MatrixBase<Derived>& m, const char* name) {
 }
 
 /// Validates the usual attention triple: Q (n x d), K (m x d), V (m x dv), all non-empty and
-/// finite. `method` names the caller in the message.
+/// finite. `method` names the caller in the message. `check_kv = false` leaves the finiteness of
+/// K and V to a kernel that checks them as it reads them (and rescans them when it saw a problem).
 template <typename DQ, typename DK, typename DV>
 void check_attention_inputs(const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
-                            const Eigen::MatrixBase<DV>& V, const char* method) {
+                            const Eigen::MatrixBase<DV>& V, const char* method,
+                            bool check_kv = true) {
   EFFATTN_CHECK(Q.rows() > 0 && Q.cols() > 0,
                 cat(method, ": Q must be n x d with n, d >= 1; got Q ", shape(Q)));
   EFFATTN_CHECK(K.rows() > 0 && K.cols() > 0,
@@ -48,6 +50,7 @@ void check_attention_inputs(const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixB
   EFFATTN_CHECK(V.rows() == K.rows(), cat(method, ": V must be m x dv with m = K.rows() = ",
                                           K.rows(), "; got K ", shape(K), ", V ", shape(V)));
   check_finite(Q, "Q");
+  if (!check_kv) return;
   check_finite(K, "K");
   check_finite(V, "V");
 }

@@ -23,9 +23,21 @@
 #include "bf16_amx.hpp"
 #include "bf16_avx512.hpp"
 #include "bf16_pack.hpp"
+#include "fused_decode_avx512.hpp"
 
 namespace effattn {
 namespace detail {
+
+/// Whether `tiled_attention_bf16` runs the fused decoding kernel (`fused_decode_run`, x86 paths,
+/// at most `kFusedDecodeMaxRows` queries in one block) for n queries with `plan` on path `isa`.
+inline bool bf16_decode_fused(Index n, const TilePlan& plan, Isa isa) noexcept {
+#if EFFATTN_BF16_X86
+  return isa != Isa::Generic && n <= kFusedDecodeMaxRows && plan.q_blocks == 1;
+#else
+  (void)n, (void)plan, (void)isa;
+  return false;
+#endif
+}
 
 /// The most queries for which `StreamingBf16Kernel` is used (decoding).
 constexpr Index kBf16StreamingMaxQueries = 16;
@@ -296,10 +308,12 @@ void bf16_attention_run(const Kernel& kern, Index n, Index m, Index dv, const fl
 
 /// bf16 exact attention: out (n x dv) and lse (n) for Q, K, V of scalar In (float or
 /// Eigen::bfloat16), converted to bf16 once (scale folded into Q) and multiplied on path `isa`
-/// (which must be available: `isa_available(isa)`). Inputs are validated by the caller.
-/// O((n + m) d) packed panels plus the workspaces of `bf16_attention_run`.
+/// (which must be available: `isa_available(isa)`). Inputs are validated by the caller, except
+/// the finiteness of K and V when `bf16_decode_fused` (the kernel checks them as it reads them).
+/// O((n + m) d) packed panels plus the workspaces of `bf16_attention_run`. \returns false if the
+/// fused decoding kernel saw a non-finite score (a non-finite key), true otherwise.
 template <typename In>
-void tiled_attention_bf16(const Eigen::Ref<const Matrix<In>>& Q,
+bool tiled_attention_bf16(const Eigen::Ref<const Matrix<In>>& Q,
                           const Eigen::Ref<const Matrix<In>>& K,
                           const Eigen::Ref<const Matrix<In>>& V, const float* bias, float scale,
                           bool causal, const TilePlan& plan, Isa isa, Matrix<float>& out,
@@ -311,6 +325,8 @@ void tiled_attention_bf16(const Eigen::Ref<const Matrix<In>>& Q,
                                         isa_name(detected_isa()), "')"));
   if (n <= kBf16StreamingMaxQueries && plan.q_blocks == 1) {
 #if EFFATTN_BF16_X86
+    if (bf16_decode_fused(n, plan, isa))
+      return fused_decode_run<true, In>(Q, K, V, bias, scale, causal, plan, out, lse);
     if (isa == Isa::Amx) {
       const Index dpad = round_up(Q.cols(), 32);
       Bf16Buffer q = Bf16Buffer::Zero(16 * dpad);
@@ -318,7 +334,7 @@ void tiled_attention_bf16(const Eigen::Ref<const Matrix<In>>& Q,
         for (Index c = 0; c < Q.cols(); ++c) q(i * dpad + c) = to_bf16(Q(i, c), scale);
       bf16_attention_run(AmxDecodeKernel<In>{K, V, q, dpad, round_up(dv, 32)}, n, m, dv, bias,
                          causal, plan, out, lse);
-      return;
+      return true;
     }
 #endif
     Matrix<float> q(n, Q.cols());
@@ -326,7 +342,7 @@ void tiled_attention_bf16(const Eigen::Ref<const Matrix<In>>& Q,
       for (Index i = 0; i < n; ++i) q(i, c) = rounded_float(Q(i, c), scale);
     bf16_attention_run(StreamingBf16Kernel<In>{K, V, q, isa != Isa::Generic}, n, m, dv, bias,
                        causal, plan, out, lse);
-    return;
+    return true;
   }
 #if EFFATTN_BF16_X86
   if (isa != Isa::Generic) {
@@ -336,13 +352,14 @@ void tiled_attention_bf16(const Eigen::Ref<const Matrix<In>>& Q,
       bf16_attention_run(X86Bf16Kernel<true>{panels}, n, m, dv, bias, causal, plan, out, lse);
     else
       bf16_attention_run(X86Bf16Kernel<false>{panels}, n, m, dv, bias, causal, plan, out, lse);
-    return;
+    return true;
   }
 #endif
   (void)isa;
   Bf16RoundedFloats rounded;
   round_to_bf16_floats<In>(Q, K, V, scale, rounded);
   bf16_attention_run(GenericBf16Kernel<>{rounded}, n, m, dv, bias, causal, plan, out, lse);
+  return true;
 }
 
 }  // namespace detail

@@ -144,7 +144,7 @@ template <typename Scalar>
 MultiHeadBatch check_multi_head(const PackedView<Scalar>& Q, const PackedView<Scalar>& K,
                                 const PackedView<Scalar>& V, const HeadLayout& layout,
                                 const SeqOffsets& cu_q, const SeqOffsets& cu_k,
-                                const std::vector<Index>& seqused_k) {
+                                const std::vector<Index>& seqused_k, bool check_q = true) {
   MultiHeadBatch mb;
   mb.d = head_width(Q.cols, layout.heads, "Q", "heads");
   const Index dk = head_width(K.cols, layout.kv_heads, "K", "kv_heads");
@@ -184,7 +184,7 @@ MultiHeadBatch check_multi_head(const PackedView<Scalar>& Q, const PackedView<Sc
     EFFATTN_CHECK(mb.nq(b) == 0 || mb.nk(b) > 0,
                   cat("MultiHead: sequence ", b, " has ", mb.nq(b), " queries but no keys"));
   }
-  check_finite_view(Q, "Q");
+  if (check_q) check_finite_view(Q, "Q");
   return mb;
 }
 
@@ -297,8 +297,9 @@ struct MhTask {
     return {hs * rows, (he - hs) * rows};
   }
   /// Writes the block's scaled queries into `q` (R x d, head s in rows [s rows, (s + 1) rows)).
+  /// \returns whether they are finite (checked here, in cache: `compute` does not scan Q first).
   template <typename Scalar, typename Dst>
-  void load_queries(const PackedView<Scalar>& Q, Scalar scale, const MhBlock& blk, Index d,
+  bool load_queries(const PackedView<Scalar>& Q, Scalar scale, const MhBlock& blk, Index d,
                     Dst&& q) const {
     for (Index s = 0; s < blk.nh; ++s) {
       const Scalar* p = Q.at(q0 + i0, (blk.h0 + s) * d);
@@ -309,6 +310,7 @@ struct MhTask {
         q.middleRows(s * rows, rows).noalias() =
             ColMap<Scalar>(p, rows, d, Eigen::OuterStride<>(Q.outer)) * scale;
     }
+    return all_finite(q.topRows(blk.nh * rows));
   }
   /// The causal mask of tile [j0, ...): key j hidden from the rows of position < j - off (a
   /// prefix of each stacked head's rows); `hide(c, column, value)` for online_softmax_update.
@@ -361,10 +363,9 @@ bool mh_exact_pass(const MhExactProblem<Scalar>& P, const MhBlock& blk, Index sp
     else
       return ws.acc.topRows(R);
   }();
-  t.load_queries(P.Q, P.scale, blk, d, q);
+  bool finite = t.load_queries(P.Q, P.scale, blk, d, q);
   begin_rows(ws, R);
   acc.setZero();
-  bool finite = true;
   for (Index j0 = t.k_begin; j0 < t.k_end; j0 += P.bk) {
     const Index cols = std::min(P.bk, t.k_end - j0);
     auto S = ws.s.topLeftCorner(R, cols);
@@ -484,7 +485,7 @@ bool mh_decode_pass(const MhExactProblem<Scalar>& P, const MhBlock& blk, Index s
   const Index d = mb.d, dv = mb.dv, R = t.R;
   auto qr = ws.qr.topRows(R);
   auto accr = ws.accr.topRows(R);
-  t.load_queries(P.Q, P.scale, blk, d, qr);
+  bool finite = t.load_queries(P.Q, P.scale, blk, d, qr);
   begin_rows(ws, R);
   accr.setZero();
   // Software prefetch kPrefetch keys ahead, whole rows: a row of a row-major cache is often a
@@ -498,7 +499,6 @@ bool mh_decode_pass(const MhExactProblem<Scalar>& P, const MhBlock& blk, Index s
     for (Index i = 0; i < n; i += 64 / static_cast<Index>(sizeof(Scalar)))
       __builtin_prefetch(pf + i, 0, 3);
   };
-  bool finite = true;
   constexpr Scalar ninf = -std::numeric_limits<Scalar>::infinity();
 #if EFFATTN_BF16_X86
   bool avx512 = false;
@@ -805,13 +805,16 @@ MultiHeadResult<F, (DQ::IsRowMajor ? Eigen::RowMajor : Eigen::ColMajor)> MultiHe
                     std::is_same_v<typename DV::Scalar, Scalar>,
                 "effattn: MultiHead<F>::compute takes Q, K, V of F's scalar type");
   constexpr int order = DQ::IsRowMajor ? Eigen::RowMajor : Eigen::ColMajor;
+  // The exact kernel checks each query block as it loads it (Q is not scanned beforehand).
+  constexpr bool kExactTiled = std::is_same_v<F, ExactAttention<Scalar, policy::Tiled>>;
   Matrix<Scalar> tq, tk, tv;
   detail::RowMatrix<Scalar> rq, rk, rv;
   const detail::PackedView<Scalar> qv = detail::packed_view(Q, tq, rq);
   const detail::PackedView<Scalar> kv = detail::packed_view(K, tk, rk);
   const detail::PackedView<Scalar> vv = detail::packed_view(V, tv, rv);
   const detail::MultiHeadBatch mb =
-      detail::check_multi_head(qv, kv, vv, m_layout, cu_seqlens_q, cu_seqlens_k, seqused_k);
+      detail::check_multi_head(qv, kv, vv, m_layout, cu_seqlens_q, cu_seqlens_k, seqused_k,
+                               /*check_q=*/!kExactTiled);
   const Index H = m_layout.heads, group = m_layout.heads / m_layout.kv_heads;
 
   MultiHeadResult<F, order> r;
@@ -819,10 +822,13 @@ MultiHeadResult<F, (DQ::IsRowMajor ? Eigen::RowMajor : Eigen::ColMajor)> MultiHe
   r.heads = H;
   r.kv_heads = m_layout.kv_heads;
   r.output.resize(qv.rows, H * mb.dv);
+  // A prefill output is large (64 MiB at B = 8, L = 512, 32 heads of 128) and written once:
+  // its page faults were 6% of the exact kernel's time with 4 KiB pages.
+  detail::advise_huge_pages(r.output);
   const detail::PackedView<Scalar, Scalar*> ov{
       r.output.data(), r.output.rows(), r.output.cols(),
       order == Eigen::RowMajor ? r.output.cols() : r.output.rows(), order == Eigen::RowMajor};
-  if constexpr (std::is_same_v<F, ExactAttention<Scalar, policy::Tiled>>) {
+  if constexpr (kExactTiled) {
     const ExactOptions& o = m_functor.options();
     for (Index b = 0; b < mb.batch(); ++b) {
       const std::size_t i = static_cast<std::size_t>(b);
@@ -840,9 +846,11 @@ MultiHeadResult<F, (DQ::IsRowMajor ? Eigen::RowMajor : Eigen::ColMajor)> MultiHe
     r.info = Info::Success;
     for (const auto& hr : r.head_results)
       if (hr.info != Info::Success) r.info = Info::NumericalIssue;
-    // Non-finite scores or output: a non-finite key or value throws invalid_argument here
-    // (the inputs are scanned only then); otherwise it was an overflow (info says so).
+    // Non-finite queries, scores or output: a non-finite query, key or value throws
+    // invalid_argument here (the inputs are scanned only then); otherwise it was an overflow
+    // (info says so).
     if (!scores_finite || r.info != Info::Success) {
+      detail::check_finite_view(qv, "Q");
       detail::check_finite_view(kv, "K");
       detail::check_finite_view(vv, "V");
     }

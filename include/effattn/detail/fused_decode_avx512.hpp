@@ -1,0 +1,341 @@
+/// \file fused_decode_avx512.hpp
+/// \brief The fused decoding kernel of exact attention on AVX-512 (`policy::TiledBf16` on the
+/// x86 paths, and fp32 `policy::Tiled` for float): at most `kFusedDecodeMaxRows` queries against a
+/// column-major K and V (float or bf16), read once, column segment by column segment, with the
+/// products and the online softmax fused into the read. The fp32 form (`Bf16 = false`) is the
+/// same kernel without the roundings.
+///
+/// Decoding reads the whole cache for a handful of flops per key, so the read is the cost. The
+/// tile kernels (`StreamingBf16Kernel`, `AmxDecodeKernel`) first round a 1024-key tile of K or V
+/// into a cache-resident buffer and then multiply it: the read and the products take turns on a
+/// core, and a tile of a column-major K is 128 column pieces read in turn. Measured at m = 32768,
+/// d = 128, one query, 2 threads: 30% of the streaming-read rate. This kernel keeps the bf16
+/// arithmetic of the other paths (q = bf16(scale Q), bf16 keys and values, products exact in fp32,
+/// fp32 sums, P rounded to bf16 before the P V product) and computes while it reads:
+/// - keys, in blocks of `kFusedDecodeBlock` (512): for each column c the block's segment
+///   K[j0 : j0 + 512, c] (2 KiB of float, contiguous) is rounded to bf16 in registers and
+///   s_i += q_ic K[., c] is accumulated into the scores of the (at most 4) rows, held in L1;
+/// - softmax per block: bias, causal mask, block maximum, a lazy running maximum (the accumulator
+///   is rescaled only when a block's maximum exceeds the reference by more than
+///   `kDecodeLazyMax`, as in decode_avx512.hpp), p = exp(s - m) summed in fp32 per block and into
+///   a double row sum across blocks, p rounded to bf16;
+/// - values: for each column c, o_ic += sum_j p_ij V[j, c] over the block's segment (2 or 4
+///   independent 16-lane partial sums per row, reduced once per column).
+/// Column segments are read in the order K columns, V columns, next block's K columns, with
+/// software prefetches `kFusedDecodePrefetch` segments ahead: each segment starts in a new page (a
+/// column of a long cache is its own run of pages), where the hardware prefetchers stop.
+///
+/// Needs AVX512F/BW/VL (both x86 bf16 paths imply them); plain `vfmadd` on rounded values, so no
+/// AVX512-BF16 instruction: a product of two bf16 values is exact in fp32 either way.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "../core/isa.hpp"
+#include "../core/online_softmax.hpp"
+#include "../core/parallel.hpp"
+#include "../core/types.hpp"
+#include "bf16_pack.hpp"
+#include "decode_avx512.hpp"
+
+#if EFFATTN_BF16_X86
+
+namespace effattn {
+namespace detail {
+
+/// The most query rows the fused bf16 decoding kernel takes (more rows: the tile kernels, whose
+/// products run on the matrix engine or `vdpbf16ps`).
+constexpr Index kFusedDecodeMaxRows = 4;
+/// Keys per block: a 2 KiB column segment of float, 4 x 2 KiB of scores in L1.
+constexpr Index kFusedDecodeBlock = 512;
+/// Column segments prefetched ahead.
+constexpr Index kFusedDecodePrefetch = 4;
+
+/// x rounded to bf16 (nearest even) and widened back to fp32, 16 lanes; no NaN inputs.
+EFFATTN_TARGET_AVX512F inline __m512 bf16_round16(__m512 x) noexcept {
+  const __m512i u = _mm512_castps_si512(x);
+  const __m512i r =
+      _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF),
+                                           _mm512_and_si512(srl16(u), _mm512_set1_epi32(1))));
+  return _mm512_castsi512_ps(_mm512_and_si512(r, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
+}
+
+/// 16 values of a column (lanes outside `k` zero) as bf16 values in fp32: float inputs rounded,
+/// bf16 inputs widened.
+EFFATTN_TARGET_AVX512F inline __m512 load16_bf16(const float* p, __mmask16 k) noexcept {
+  return bf16_round16(_mm512_maskz_loadu_ps(k, p));
+}
+EFFATTN_TARGET_AVX512F inline __m512 load16_bf16(const Eigen::bfloat16* p, __mmask16 k) noexcept {
+  const __m256i h = _mm256_maskz_loadu_epi16(k, p);
+  return _mm512_castsi512_ps(sll16(_mm512_maskz_cvtepu16_epi32(kDecodeAll, h)));
+}
+
+/// The lanes below `count` (all when count >= 16, none when count <= 0).
+inline __mmask16 lanes_below(Index count) noexcept {
+  return count >= 16 ? kDecodeAll : count <= 0 ? __mmask16(0) : __mmask16((1u << count) - 1u);
+}
+
+/// One decoding problem: the scaled queries and the column-major inputs.
+template <typename In>
+struct FusedDecodeProblem {
+  const float* q = nullptr;  ///< rows x d, row-major: bf16(scale Q), or scale Q in fp32
+  Index rows = 0, d = 0, dv = 0;
+  const In* K = nullptr;  ///< m x d, column-major, leading dimension ldk
+  const In* V = nullptr;  ///< m x dv, column-major, leading dimension ldv
+  Index ldk = 0, ldv = 0;
+  const float* bias = nullptr;  ///< m key biases or null
+  bool causal = false;
+  Index off = 0;  ///< causal: row i sees keys j <= i + off
+};
+
+/// The state of one key range: scores of a block (column i = row i), the unnormalised output
+/// (column i = row i), the running maximum and the row sums.
+struct FusedDecodeState {
+  Matrix<float> s, acc;
+  float m[kFusedDecodeMaxRows];
+  double l[kFusedDecodeMaxRows];
+  FusedDecodeState(Index dv)
+      : s(kFusedDecodeBlock, kFusedDecodeMaxRows), acc(dv, kFusedDecodeMaxRows) {}
+  void reset() {
+    acc.setZero();
+    std::fill(m, m + kFusedDecodeMaxRows, -std::numeric_limits<float>::infinity());
+    std::fill(l, l + kFusedDecodeMaxRows, 0.0);
+  }
+};
+
+/// Prefetches (into L2) the 16-value chunk `ch` of the column segment at `p` (null: none) when
+/// it lies within the segment's first `valid` values.
+template <typename In>
+EFFATTN_TARGET_AVX512F inline void prefetch_chunk(const In* p, Index ch, Index valid) noexcept {
+  if (p != nullptr && ch * 16 < valid)
+    _mm_prefetch(reinterpret_cast<const char*>(p + ch * 16), _MM_HINT_T1);
+}
+
+/// Column segment t of the read order around the block at key j0 (`cnt` keys, `next` keys in
+/// the following block): t < d is K's column t, then V's columns, then the next block's K
+/// columns; null past those. `valid` receives the segment's length.
+template <typename In>
+inline const In* decode_segment(const FusedDecodeProblem<In>& P, Index t, Index j0, Index cnt,
+                                Index next, Index& valid) noexcept {
+  valid = cnt;
+  if (t < P.d) return P.K + t * P.ldk + j0;
+  if ((t -= P.d) < P.dv) return P.V + t * P.ldv + j0;
+  valid = next;
+  if (next > 0 && (t -= P.dv) < P.d) return P.K + t * P.ldk + j0 + kFusedDecodeBlock;
+  valid = 0;
+  return nullptr;
+}
+
+/// 16 values of a column (lanes outside `k` zero): rounded to bf16 when `Bf16`, as they are
+/// otherwise (float inputs only).
+template <bool Bf16, typename In>
+EFFATTN_TARGET_AVX512F inline __m512 load16_values(const In* p, __mmask16 k) noexcept {
+  if constexpr (Bf16)
+    return load16_bf16(p, k);
+  else
+    return _mm512_maskz_loadu_ps(k, p);
+}
+
+/// Scores of the block at j0 from key columns [c, c + G): s_i += sum_g q_i,c+g K[., c + g] for
+/// the NR rows (column i of s, `chunks` 16-key chunks, the last one `tail`), each row's chunk
+/// loaded and stored once per G columns; prefetches the segments `kFusedDecodePrefetch` ahead.
+template <bool Bf16, int NR, int G, typename In>
+EFFATTN_TARGET_AVX512F inline void decode_key_columns(const FusedDecodeProblem<In>& P, Index c,
+                                                      Index j0, Index cnt, Index next, Index chunks,
+                                                      __mmask16 tail, float* s) {
+  constexpr Index B = kFusedDecodeBlock;
+  const In* kc[G];
+  const In* pf[G];
+  Index pf_valid[G];
+  __m512 qv[NR][G];
+  for (int g = 0; g < G; ++g) {
+    kc[g] = P.K + (c + g) * P.ldk + j0;
+    pf[g] = decode_segment(P, c + g + kFusedDecodePrefetch, j0, cnt, next, pf_valid[g]);
+    for (int i = 0; i < NR; ++i) qv[i][g] = _mm512_set1_ps(P.q[i * P.d + c + g]);
+  }
+  for (Index ch = 0; ch < chunks; ++ch) {
+    const __mmask16 k = ch + 1 < chunks ? kDecodeAll : tail;
+    __m512 kv[G];
+    for (int g = 0; g < G; ++g) {
+      prefetch_chunk(pf[g], ch, pf_valid[g]);
+      kv[g] = load16_values<Bf16>(kc[g] + ch * 16, k);
+    }
+    for (int i = 0; i < NR; ++i) {
+      float* sp = s + i * B + ch * 16;
+      __m512 a = _mm512_loadu_ps(sp);
+      for (int g = 0; g < G; ++g) a = _mm512_fmadd_ps(qv[i][g], kv[g], a);
+      _mm512_storeu_ps(sp, a);
+    }
+  }
+}
+
+/// Keys [k0, k1) for NR rows: updates st (acc, m, l). 2 NR (k1 - k0) (d + dv) flops; reads each
+/// key and value once. \returns false if a raw score (before bias and mask) was not finite: with
+/// finite queries, a non-finite key (the caller does not scan K beforehand). `Bf16`: K, V and P
+/// rounded to bf16 (the TiledBf16 arithmetic); otherwise fp32 throughout.
+template <bool Bf16, int NR, typename In>
+EFFATTN_TARGET_AVX512F bool fused_decode_keys(const FusedDecodeProblem<In>& P, Index k0, Index k1,
+                                              FusedDecodeState& st) {
+  constexpr Index B = kFusedDecodeBlock, PF = kFusedDecodePrefetch;
+  constexpr float ninf = -std::numeric_limits<float>::infinity();
+  constexpr int U = NR == 1 ? 4 : 2;  // independent partial sums per row in the value pass
+  const Index d = P.d, dv = P.dv;
+  float* s = st.s.data();
+  float* acc = st.acc.data();
+  __mmask16 bad = 0;
+  for (Index j0 = k0; j0 < k1; j0 += B) {
+    const Index cnt = std::min(B, k1 - j0), chunks = (cnt + 15) / 16;
+    const Index next = std::min(B, std::max<Index>(0, k1 - j0 - B));  // keys of the next block
+    const __mmask16 tail = lanes_below(cnt - 16 * (chunks - 1));
+    // Scores: s_i = q_i K_block^T, column segment by column segment.
+    for (int i = 0; i < NR; ++i)
+      for (Index ch = 0; ch < chunks; ++ch)
+        _mm512_storeu_ps(s + i * B + ch * 16, _mm512_setzero_ps());
+    // Four columns (four contiguous streams) per pass over the scores.
+    Index kc = 0;
+    for (; kc + 4 <= d; kc += 4)
+      decode_key_columns<Bf16, NR, 4>(P, kc, j0, cnt, next, chunks, tail, s);
+    for (; kc < d; ++kc) decode_key_columns<Bf16, NR, 1>(P, kc, j0, cnt, next, chunks, tail, s);
+    // Softmax of the block: s_i becomes bf16(exp(s_i - m_i)), 0 for hidden or absent keys.
+    for (int i = 0; i < NR; ++i) {
+      float* si = s + i * B;
+      const Index visible = P.causal ? std::min(cnt, i + P.off + 1 - j0) : cnt;
+      __m512 mx = _mm512_set1_ps(ninf);
+      for (Index ch = 0; ch < chunks; ++ch) {
+        const __mmask16 k = lanes_below(visible - ch * 16);
+        __m512 v = _mm512_loadu_ps(si + ch * 16);
+        // x - x is NaN exactly for NaN and +-inf (lanes past the block's keys hold 0).
+        bad |= _mm512_cmp_ps_mask(_mm512_sub_ps(v, v), _mm512_setzero_ps(), _CMP_NEQ_UQ);
+        if (P.bias != nullptr)
+          v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(k, P.bias + j0 + ch * 16));
+        v = _mm512_mask_blend_ps(k, _mm512_set1_ps(ninf), v);
+        _mm512_storeu_ps(si + ch * 16, v);
+        mx = _mm512_maskz_max_ps(kDecodeAll, mx, v);
+      }
+      const float bm = decode_hmax16(mx);
+      if (bm == ninf) {  // no visible key in this block
+        for (Index ch = 0; ch < chunks; ++ch) _mm512_storeu_ps(si + ch * 16, _mm512_setzero_ps());
+        continue;
+      }
+      if (!(bm <= st.m[i] + kDecodeLazyMax)) {  // first block, or a maximum far above m
+        const float alpha = st.m[i] == ninf ? 0.0f : std::exp(st.m[i] - bm);
+        st.acc.col(i) *= alpha;
+        st.l[i] *= static_cast<double>(alpha);
+        st.m[i] = bm;
+      }
+      const __m512 mv = _mm512_set1_ps(st.m[i]);
+      __m512 sum = _mm512_setzero_ps();
+      for (Index ch = 0; ch < chunks; ++ch) {
+        const __m512 e = decode_exp16(_mm512_sub_ps(_mm512_loadu_ps(si + ch * 16), mv));
+        sum = _mm512_add_ps(sum, e);
+        _mm512_storeu_ps(si + ch * 16, Bf16 ? bf16_round16(e) : e);
+      }
+      st.l[i] += static_cast<double>(decode_hsum16(sum));
+    }
+    // Values: acc_i += p_i V_block, column segment by column segment.
+    for (Index c = 0; c < dv; ++c) {
+      const In* vc = P.V + c * P.ldv + j0;
+      Index pf_valid = 0;
+      const In* pf = decode_segment(P, d + c + PF, j0, cnt, next, pf_valid);
+      __m512 a[NR][U];
+      for (int i = 0; i < NR; ++i)
+        for (int u = 0; u < U; ++u) a[i][u] = _mm512_setzero_ps();
+      Index ch = 0;
+      for (; ch + U <= chunks; ch += U)
+        for (int u = 0; u < U; ++u) {
+          prefetch_chunk(pf, ch + u, pf_valid);
+          const __m512 vv =
+              load16_values<Bf16>(vc + (ch + u) * 16, ch + u + 1 < chunks ? kDecodeAll : tail);
+          for (int i = 0; i < NR; ++i)
+            a[i][u] = _mm512_fmadd_ps(_mm512_loadu_ps(s + i * B + (ch + u) * 16), vv, a[i][u]);
+        }
+      for (; ch < chunks; ++ch) {
+        prefetch_chunk(pf, ch, pf_valid);
+        const __m512 vv = load16_values<Bf16>(vc + ch * 16, ch + 1 < chunks ? kDecodeAll : tail);
+        for (int i = 0; i < NR; ++i)
+          a[i][0] = _mm512_fmadd_ps(_mm512_loadu_ps(s + i * B + ch * 16), vv, a[i][0]);
+      }
+      for (int i = 0; i < NR; ++i) {
+        __m512 t = a[i][0];
+        for (int u = 1; u < U; ++u) t = _mm512_add_ps(t, a[i][u]);
+        acc[i * dv + c] += decode_hsum16(t);
+      }
+    }
+  }
+  return bad == 0;
+}
+
+/// Fused decoding (`Bf16`: the TiledBf16 arithmetic; otherwise fp32, In = float): out (n x dv)
+/// and lse (n) for n <= `kFusedDecodeMaxRows` queries, key ranges as
+/// `plan.kv_splits` says (32-aligned, as the tile kernels split), merged by log-sum-exp.
+/// Thread-count independent. Needs AVX512F (an x86 bf16 path was selected). O(splits n dv) memory.
+/// \returns false if a raw score was not finite (see `fused_decode_keys`): K and V are checked by
+/// the kernel and the caller's look at the output, not scanned beforehand.
+template <bool Bf16, typename In>
+bool fused_decode_run(const Eigen::Ref<const Matrix<In>>& Q, const Eigen::Ref<const Matrix<In>>& K,
+                      const Eigen::Ref<const Matrix<In>>& V, const float* bias, float scale,
+                      bool causal, const TilePlan& plan, Matrix<float>& out, Vector<float>& lse) {
+  const Index n = Q.rows(), m = K.rows(), d = Q.cols(), dv = V.cols();
+  std::vector<float> q(static_cast<std::size_t>(n * d));  // row-major
+  for (Index i = 0; i < n; ++i)
+    for (Index c = 0; c < d; ++c)
+      q[static_cast<std::size_t>(i * d + c)] =
+          Bf16 ? rounded_float(Q(i, c), scale) : static_cast<float>(Q(i, c)) * scale;
+  FusedDecodeProblem<In> P;
+  P.q = q.data();
+  P.rows = n;
+  P.d = d;
+  P.dv = dv;
+  P.K = K.data();
+  P.V = V.data();
+  P.ldk = K.outerStride();
+  P.ldv = V.outerStride();
+  P.bias = bias;
+  P.causal = causal;
+  P.off = m - n;
+  const Index splits = std::max<Index>(1, plan.kv_splits);
+  Matrix<float> part_m(n, splits);
+  Eigen::Matrix<double, Eigen::Dynamic, Eigen::Dynamic> part_l(n, splits);
+  std::vector<Matrix<float>> part_acc(static_cast<std::size_t>(splits), Matrix<float>(n, dv));
+  std::vector<char> finite(static_cast<std::size_t>(splits), 1);
+  parallel_for(
+      splits, [&] { return FusedDecodeState(dv); },
+      [&](Index sp, FusedDecodeState& st) {
+        const Index k0 = sp == 0 ? 0 : m * sp / splits / 32 * 32;
+        const Index k1 = sp + 1 == splits ? m : m * (sp + 1) / splits / 32 * 32;
+        st.reset();
+        bool ok = true;
+        switch (n) {
+          case 1:
+            ok = fused_decode_keys<Bf16, 1>(P, k0, k1, st);
+            break;
+          case 2:
+            ok = fused_decode_keys<Bf16, 2>(P, k0, k1, st);
+            break;
+          case 3:
+            ok = fused_decode_keys<Bf16, 3>(P, k0, k1, st);
+            break;
+          default:
+            ok = fused_decode_keys<Bf16, 4>(P, k0, k1, st);
+            break;
+        }
+        for (Index i = 0; i < n; ++i) {
+          part_m(i, sp) = st.m[i];
+          part_l(i, sp) = st.l[i];
+        }
+        part_acc[static_cast<std::size_t>(sp)] = st.acc.leftCols(n).transpose();
+        finite[static_cast<std::size_t>(sp)] = ok ? 1 : 0;
+      });
+  out.resize(n, dv);
+  lse.resize(n);
+  merge_split_states(part_m, part_l, part_acc, out, lse);
+  return std::find(finite.begin(), finite.end(), 0) == finite.end();
+}
+
+}  // namespace detail
+}  // namespace effattn
+
+#endif  // EFFATTN_BF16_X86
