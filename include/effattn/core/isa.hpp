@@ -54,6 +54,16 @@
 #define EFFATTN_UNROLL8
 #endif
 
+/// `EFFATTN_UNROLL8` for loops of up to 16 iterations (the 16 accumulators of the bf16 decoding
+/// kernel's value pass).
+#if defined(__clang__)
+#define EFFATTN_UNROLL16 _Pragma("unroll 16")
+#elif defined(__GNUC__)
+#define EFFATTN_UNROLL16 _Pragma("GCC unroll 16")
+#else
+#define EFFATTN_UNROLL16
+#endif
+
 namespace effattn {
 namespace detail {
 

@@ -130,65 +130,6 @@ EFFATTN_TARGET_AMX inline void amx_accumulate(const Bf16Panels& p, Index j0, Ind
   }
 }
 
-/// Prefetches `bytes` bytes from `p` into the cache: decoding reads a key tile as one run per
-/// column, each (4 KiB) in another page, where the hardware prefetchers start cold; the next
-/// column's run is fetched while this one is converted.
-inline void prefetch_run(const void* p, Index bytes) noexcept {
-  const char* c = static_cast<const char*>(p);
-  for (Index b = 0; b < bytes; b += 64) _mm_prefetch(c + b, _MM_HINT_T0);
-}
-
-/// Bytes of a column run of `cols_pad` keys of which `valid` exist.
-constexpr Index valid_bytes(Index valid, Index cols_pad, std::size_t size) noexcept {
-  return (valid < cols_pad ? valid : cols_pad) * static_cast<Index>(size);
-}
-
-/// Decoding: one key tile of K (column-major, `ldk`, keys [j0, j0 + cols_pad) with `valid` of
-/// them before the end of K) rounded to bf16 in the VNNI layout of the B operand of S = q K^T:
-/// kb[g][p][16 keys][2] = K(j0 + 16 g + key, 2 p + e), zero outside K. O(cols_pad dpad).
-template <typename In>
-EFFATTN_TARGET_AMX void pack_key_tile_vnni(const In* K, Index ldk, Index d, Index dpad, Index j0,
-                                           Index cols_pad, Index valid,
-                                           std::uint16_t* kb) noexcept {
-  const __m512 zero = _mm512_setzero_ps();
-  // Column pair by column pair: each column's run of keys is read contiguously.
-  for (Index pr = 0; pr < dpad / 2; ++pr) {
-    const Index c = 2 * pr;
-    if (c + 2 < d) prefetch_run(K + (c + 2) * ldk + j0, valid_bytes(valid, cols_pad, sizeof(In)));
-    if (c + 3 < d) prefetch_run(K + (c + 3) * ldk + j0, valid_bytes(valid, cols_pad, sizeof(In)));
-    for (Index g = 0; g < cols_pad / 16; ++g) {
-      const Index count = std::max<Index>(0, std::min<Index>(16, valid - 16 * g));
-      const __m512 a = c < d ? load16_fp32(K + c * ldk + j0 + 16 * g, count) : zero;
-      const __m512 b = c + 1 < d ? load16_fp32(K + (c + 1) * ldk + j0 + 16 * g, count) : zero;
-      _mm512_storeu_si512(kb + g * dpad * 16 + pr * 32, bf16_vnni_pairs(a, b));
-    }
-  }
-}
-
-/// Decoding scores: s_rm (row-major, 16 query rows x cols_pad keys, leading dimension `ld`) =
-/// q (16 x dpad bf16, row-major) times the key tile `kb` of `pack_key_tile_vnni`. 2 tile
-/// products per 3 tile loads: the tile is memory-bound, the products are not the limit.
-EFFATTN_TARGET_AMX inline void amx_decode_scores(const std::uint16_t* q, Index dpad,
-                                                 const std::uint16_t* kb, Index cols_pad,
-                                                 float* s_rm, Index ld) noexcept {
-  EFFATTN_TILE_MEMORY_BARRIER();
-  for (Index kk = 0; kk < cols_pad; kk += 32) {
-    const std::uint16_t* b0 = kb + (kk / 16) * dpad * 16;
-    const std::uint16_t* b1 = b0 + dpad * 16;
-    _tile_zero(0);
-    _tile_zero(1);
-    for (Index dc = 0; dc < dpad; dc += 32) {
-      _tile_loadd(4, q + dc, dpad * 2);
-      _tile_loadd(6, b0 + dc * 16, 64);
-      _tile_loadd(7, b1 + dc * 16, 64);
-      _tile_dpbf16ps(0, 4, 6);
-      _tile_dpbf16ps(1, 4, 7);
-    }
-    _tile_stored(0, s_rm + kk, ld * 4);
-    _tile_stored(1, s_rm + kk + 16, ld * 4);
-  }
-}
-
 /// The bare `tdpbf16ps` loop (no loads: 4 accumulator tiles, `iters` x 4 tile products of
 /// 16 x 16 x 32), the machine's peak for the benchmarks: 2 * 16 * 16 * 32 * 4 * iters flops.
 /// Returns one value of the result so the loop is not optimised away. Needs an `AmxTileScope`.

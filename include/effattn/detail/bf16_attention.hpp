@@ -29,10 +29,10 @@ namespace effattn {
 namespace detail {
 
 /// Whether `tiled_attention_bf16` runs the fused decoding kernel (`fused_decode_run`, x86 paths,
-/// at most `kFusedDecodeMaxRows` queries in one block) for n queries with `plan` on path `isa`.
+/// at most `kFusedDecodeWideRows` queries in one block) for n queries with `plan` on path `isa`.
 inline bool bf16_decode_fused(Index n, const TilePlan& plan, Isa isa) noexcept {
 #if EFFATTN_BF16_X86
-  return isa != Isa::Generic && n <= kFusedDecodeMaxRows && plan.q_blocks == 1;
+  return isa != Isa::Generic && n <= kFusedDecodeWideRows && plan.q_blocks == 1;
 #else
   (void)n, (void)plan, (void)isa;
   return false;
@@ -68,9 +68,6 @@ struct Bf16Workspace {
   Matrix<float> acc;
   Bf16Buffer pv;
   Matrix<float> k_tile, v_tile;  ///< streaming kernel only: the rounded K and V tiles
-  Bf16Buffer k_vnni;             ///< AMX decoding only: the key tile in VNNI pairs
-  Matrix<float> s_rm;            ///< AMX decoding only: the row-major score tile (16 x bk_pad)
-  Bf16Panels v_panel;            ///< AMX decoding only: the value tile in 32-key chunks
   Bf16Workspace(Index bq_pad, Index bk_pad, Index acc_cols, Index k_tile_cols = 0,
                 Index v_tile_cols = 0)
       : t(bq_pad, bk_pad, 1, 0),
@@ -145,61 +142,6 @@ struct X86Bf16Kernel {
       amx_accumulate(p, j0, rows_pad, cols_pad, ws.pv.data(), ws.acc.data(), ld);
     else
       avx512_accumulate(p, j0, rows_pad, cols_pad, ws.pv.data(), ws.acc.data(), ld);
-  }
-};
-#endif
-
-#if EFFATTN_BF16_X86
-/// AMX decoding (at most 16 queries, one block, each key tile visited once): every K and V tile
-/// is read once from the inputs and rounded into cache-resident AMX operands with vector code
-/// (K^T as VNNI pairs of two contiguous column pieces, V in 32-key chunks); S = q K_t^T comes out
-/// row-major and is transposed into the column-major tile (n <= 16 rows, cheap); the P V product
-/// is the panel kernel's `amx_accumulate` on the value tile.
-template <typename In>
-struct AmxDecodeKernel {
-  const Eigen::Ref<const Matrix<In>>& K;
-  const Eigen::Ref<const Matrix<In>>& V;
-  const Bf16Buffer& q;  ///< scale Q in bf16, row-major 16 x dpad, zero-padded
-  Index dpad, dvpad;
-  Index acc_cols() const { return dvpad; }
-  Bf16Workspace workspace(Index bq_pad, Index bk_pad) const {
-    Bf16Workspace ws(bq_pad, bk_pad, acc_cols());
-    ws.k_vnni.setZero(bk_pad * dpad);
-    ws.s_rm.setZero(16, bk_pad);  // row-major use of a 16 x bk_pad buffer: s_rm(0..) rows
-    ws.v_panel.dvpad = dvpad;
-    ws.v_panel.v.setZero(bk_pad * dvpad);
-    return ws;
-  }
-  template <typename F>
-  void task(F&& f) const {
-    AmxTileScope tiles;
-    f();
-  }
-  void scores(Index /*i0*/, Index rows, Index j0, Index cols, Bf16Workspace& ws) const {
-    const Index cols_pad = round_up(cols, 32), ld = cols_pad;
-    pack_key_tile_vnni<In>(K.data(), K.outerStride(), K.cols(), dpad, j0, cols_pad, K.rows() - j0,
-                           ws.k_vnni.data());
-    float* s_rm = ws.s_rm.data();
-    amx_decode_scores(q.data(), dpad, ws.k_vnni.data(), cols_pad, s_rm, ld);
-    const Index lds = ws.t.s.rows();
-    float* s = ws.t.s.data();
-    for (Index j = 0; j < cols_pad; ++j)
-      for (Index i = 0; i < rows; ++i) s[j * lds + i] = s_rm[i * ld + j];
-  }
-  void accumulate(Index rows, Index j0, Index cols, Bf16Workspace& ws) const {
-    const Index ld = ws.t.s.rows(), rows_pad = round_up(rows, 32), cols_pad = round_up(cols, 32);
-    const Index valid = std::min(cols_pad, V.rows() - j0);
-    // Column by column, so each column's run of keys is read contiguously (4 KiB per column
-    // and 1024-key tile; chunk by chunk it was 128 streams of 128 bytes, 3x slower).
-    for (Index c = 0; c < V.cols(); ++c) {
-      if (c + 1 < V.cols())
-        prefetch_run(V.data() + (c + 1) * V.outerStride() + j0, valid * Index(sizeof(In)));
-      for (Index k = 0; k < valid; k += 32)
-        convert_bf16(V.data() + c * V.outerStride() + j0 + k, std::min<Index>(32, valid - k), 1.0f,
-                     ws.v_panel.v.data() + (k / 32) * dvpad * 32 + c * 32);
-    }
-    pack_p_vnni(ws.t.s.data(), ld, rows_pad, cols, cols_pad, ws.pv.data());
-    amx_accumulate(ws.v_panel, 0, rows_pad, cols_pad, ws.pv.data(), ws.acc.data(), ld);
   }
 };
 #endif
@@ -327,15 +269,6 @@ bool tiled_attention_bf16(const Eigen::Ref<const Matrix<In>>& Q,
 #if EFFATTN_BF16_X86
     if (bf16_decode_fused(n, plan, isa))
       return fused_decode_run<true, In>(Q, K, V, bias, scale, causal, plan, out, lse);
-    if (isa == Isa::Amx) {
-      const Index dpad = round_up(Q.cols(), 32);
-      Bf16Buffer q = Bf16Buffer::Zero(16 * dpad);
-      for (Index i = 0; i < n; ++i)
-        for (Index c = 0; c < Q.cols(); ++c) q(i * dpad + c) = to_bf16(Q(i, c), scale);
-      bf16_attention_run(AmxDecodeKernel<In>{K, V, q, dpad, round_up(dv, 32)}, n, m, dv, bias,
-                         causal, plan, out, lse);
-      return true;
-    }
 #endif
     Matrix<float> q(n, Q.cols());
     for (Index c = 0; c < Q.cols(); ++c)

@@ -1,32 +1,39 @@
 /// \file fused_decode_avx512.hpp
-/// \brief The fused decoding kernel of exact attention on AVX-512 (`policy::TiledBf16` on the
-/// x86 paths, and fp32 `policy::Tiled` for float): at most `kFusedDecodeMaxRows` queries against a
+/// \brief The fused decoding kernel of exact attention on AVX-512: a few queries against a
 /// column-major K and V (float or bf16), read once, column segment by column segment, with the
-/// products and the online softmax fused into the read. The fp32 form (`Bf16 = false`) is the
-/// same kernel without the roundings.
+/// products and the online softmax fused into the read. Three forms: bf16 with 1-4 queries and
+/// with 5-16 queries (`policy::TiledBf16` on the x86 paths), and fp32 with 1-4 queries (float
+/// `policy::Tiled`, the same code without the roundings).
 ///
 /// Decoding reads the whole cache for a handful of flops per key, so the read is the cost. The
-/// tile kernels (`StreamingBf16Kernel`, `AmxDecodeKernel`) first round a 1024-key tile of K or V
-/// into a cache-resident buffer and then multiply it: the read and the products take turns on a
-/// core, and a tile of a column-major K is 128 column pieces read in turn. Measured at m = 32768,
-/// d = 128, one query, 2 threads: 30% of the streaming-read rate. This kernel keeps the bf16
-/// arithmetic of the other paths (q = bf16(scale Q), bf16 keys and values, products exact in fp32,
-/// fp32 sums, P rounded to bf16 before the P V product) and computes while it reads:
+/// tile kernels this replaces rounded a 1024-key tile of K or V into a cache-resident buffer and
+/// then multiplied it (the read and the products took turns on a core), and the caller scanned
+/// K and V for NaN/Inf before the call (a second read): 30-49% of the streaming-read rate for one
+/// query (bf16), 7-9% for fp32 Tiled (GEMMs of 1-4 rows). This kernel keeps the arithmetic of
+/// the other paths (bf16: q = bf16(scale Q), bf16 keys and values, products exact in fp32, fp32
+/// sums, P rounded to bf16 before the P V product) and computes while it reads:
 /// - keys, in blocks of `kFusedDecodeBlock` (512): for each column c the block's segment
 ///   K[j0 : j0 + 512, c] (2 KiB of float, contiguous) is rounded to bf16 in registers and
-///   s_i += q_ic K[., c] is accumulated into the scores of the (at most 4) rows, held in L1;
-/// - softmax per block: bias, causal mask, block maximum, a lazy running maximum (the accumulator
-///   is rescaled only when a block's maximum exceeds the reference by more than
-///   `kDecodeLazyMax`, as in decode_avx512.hpp), p = exp(s - m) summed in fp32 per block and into
-///   a double row sum across blocks, p rounded to bf16;
-/// - values: for each column c, o_ic += sum_j p_ij V[j, c] over the block's segment (2 or 4
-///   independent 16-lane partial sums per row, reduced once per column).
+///   s_i += q_ic K[., c] accumulated into the scores of the rows, held in L1: 1-4 rows with FMAs,
+///   4 columns per pass over the scores; 5-16 rows (16 score rows, the extra queries zero) with
+///   `vdpbf16ps` on pairs of columns, 8 columns per pass;
+/// - softmax per block (`decode_block_softmax`): bias, causal mask, block maximum, a lazy
+///   running maximum (the accumulator is rescaled only when a block's maximum exceeds the
+///   reference by more than `kDecodeLazyMax`, as in decode_avx512.hpp), p = exp(s - m) summed in
+///   fp32 per block and into a double row sum across blocks, p rounded to bf16;
+/// - values: for each column c, o_ic += sum_j p_ij V[j, c] over the block's segment: 1-4 rows
+///   with 2 or 4 independent 16-lane partial sums per row, reduced once per column; 5-16 rows
+///   with `vdpbf16ps` on pairs of neighbouring keys (a bf16 column is already in that layout),
+///   16 accumulators reduced by one shuffle tree per column.
 /// Column segments are read in the order K columns, V columns, next block's K columns, with
-/// software prefetches `kFusedDecodePrefetch` segments ahead: each segment starts in a new page (a
+/// software prefetches of the segments a few columns ahead: each segment starts in a new page (a
 /// column of a long cache is its own run of pages), where the hardware prefetchers stop.
+/// The scores are checked for NaN/Inf as they are produced (before bias and mask), which with
+/// finite queries catches every non-finite key; a non-finite value makes the output non-finite,
+/// so the callers scan K and V only when something was not finite.
 ///
-/// Needs AVX512F/BW/VL (both x86 bf16 paths imply them); plain `vfmadd` on rounded values, so no
-/// AVX512-BF16 instruction: a product of two bf16 values is exact in fp32 either way.
+/// The 1-4 row forms need AVX512F/BW/VL (both x86 bf16 paths imply them), the 5-16 row form
+/// AVX512-BF16 (both x86 bf16 paths have it).
 #pragma once
 
 #include <algorithm>
@@ -38,6 +45,7 @@
 #include "../core/online_softmax.hpp"
 #include "../core/parallel.hpp"
 #include "../core/types.hpp"
+#include "bf16_avx512.hpp"
 #include "bf16_pack.hpp"
 #include "decode_avx512.hpp"
 
@@ -46,10 +54,12 @@
 namespace effattn {
 namespace detail {
 
-/// The most query rows the fused bf16 decoding kernel takes (more rows: the tile kernels, whose
-/// products run on the matrix engine or `vdpbf16ps`).
+/// The most query rows of the FMA forms of the kernel (bf16 and fp32).
 constexpr Index kFusedDecodeMaxRows = 4;
-/// Keys per block: a 2 KiB column segment of float, 4 x 2 KiB of scores in L1.
+/// The most query rows of the bf16 form, whose products are `vdpbf16ps` on bf16 pairs (5 to 16
+/// rows: 16 score rows per block, padded with zero queries).
+constexpr Index kFusedDecodeWideRows = 16;
+/// Keys per block: a 2 KiB column segment of float; 4 (16) x 2 KiB of scores in L1.
 constexpr Index kFusedDecodeBlock = 512;
 /// Column segments prefetched ahead.
 constexpr Index kFusedDecodePrefetch = 4;
@@ -91,18 +101,24 @@ struct FusedDecodeProblem {
   Index off = 0;  ///< causal: row i sees keys j <= i + off
 };
 
-/// The state of one key range: scores of a block (column i = row i), the unnormalised output
-/// (column i = row i), the running maximum and the row sums.
+/// The state of one key range: the scores of a block (column i = row i), the unnormalised output
+/// (row i = query row i, so that an output column of all rows is one vector), the running
+/// maxima and row sums, and (16-row form) the probabilities in bf16 pairs.
 struct FusedDecodeState {
+  static constexpr Index R = kFusedDecodeWideRows;
   Matrix<float> s, acc;
-  float m[kFusedDecodeMaxRows];
-  double l[kFusedDecodeMaxRows];
-  FusedDecodeState(Index dv)
-      : s(kFusedDecodeBlock, kFusedDecodeMaxRows), acc(dv, kFusedDecodeMaxRows) {}
+  std::vector<std::uint32_t>
+      pp;  ///< R x (block / 2) pairs: row i's 32-key chunk t at (i c32 + t) 16
+  float m[R];
+  double l[R];
+  FusedDecodeState(Index dv, bool wide)
+      : s(kFusedDecodeBlock, R),
+        acc(R, dv),
+        pp(wide ? static_cast<std::size_t>(R * kFusedDecodeBlock / 2) : 0) {}
   void reset() {
     acc.setZero();
-    std::fill(m, m + kFusedDecodeMaxRows, -std::numeric_limits<float>::infinity());
-    std::fill(l, l + kFusedDecodeMaxRows, 0.0);
+    std::fill(m, m + R, -std::numeric_limits<float>::infinity());
+    std::fill(l, l + R, 0.0);
   }
 };
 
@@ -172,6 +188,55 @@ EFFATTN_TARGET_AVX512F inline void decode_key_columns(const FusedDecodeProblem<I
   }
 }
 
+/// Softmax of the block at j0 (`cnt` keys in `chunks` 16-key chunks) for NR rows, whose scores
+/// are in st.s (column i = row i): adds the bias, hides the keys a causal row does not see,
+/// collects in `bad` the lanes whose raw score was not finite, updates the lazy running maximum
+/// (rescaling st.acc and st.l when a block exceeds it by more than `kDecodeLazyMax`), adds the
+/// block's sum of exp(s - m) to st.l and leaves P = exp(s - m) in st.s, rounded to bf16 when
+/// `RoundP`, 0 for hidden keys and the lanes past the block.
+template <int NR, bool RoundP, typename In>
+EFFATTN_TARGET_AVX512F inline void decode_block_softmax(const FusedDecodeProblem<In>& P, Index j0,
+                                                        Index cnt, Index chunks,
+                                                        FusedDecodeState& st, __mmask16& bad) {
+  constexpr Index B = kFusedDecodeBlock;
+  constexpr float ninf = -std::numeric_limits<float>::infinity();
+  float* s = st.s.data();
+  for (int i = 0; i < NR; ++i) {
+    float* si = s + i * B;
+    const Index visible = P.causal ? std::min(cnt, i + P.off + 1 - j0) : cnt;
+    __m512 mx = _mm512_set1_ps(ninf);
+    for (Index ch = 0; ch < chunks; ++ch) {
+      const __mmask16 k = lanes_below(visible - ch * 16);
+      __m512 v = _mm512_loadu_ps(si + ch * 16);
+      // x - x is NaN exactly for NaN and +-inf (lanes past the block's keys hold 0).
+      bad |= _mm512_cmp_ps_mask(_mm512_sub_ps(v, v), _mm512_setzero_ps(), _CMP_NEQ_UQ);
+      if (P.bias != nullptr) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(k, P.bias + j0 + ch * 16));
+      v = _mm512_mask_blend_ps(k, _mm512_set1_ps(ninf), v);
+      _mm512_storeu_ps(si + ch * 16, v);
+      mx = _mm512_maskz_max_ps(kDecodeAll, mx, v);
+    }
+    const float bm = decode_hmax16(mx);
+    if (bm == ninf) {  // no visible key in this block
+      for (Index ch = 0; ch < chunks; ++ch) _mm512_storeu_ps(si + ch * 16, _mm512_setzero_ps());
+      continue;
+    }
+    if (!(bm <= st.m[i] + kDecodeLazyMax)) {  // first block, or a maximum far above m
+      const float alpha = st.m[i] == ninf ? 0.0f : std::exp(st.m[i] - bm);
+      st.acc.row(i) *= alpha;
+      st.l[i] *= static_cast<double>(alpha);
+      st.m[i] = bm;
+    }
+    const __m512 mv = _mm512_set1_ps(st.m[i]);
+    __m512 sum = _mm512_setzero_ps();
+    for (Index ch = 0; ch < chunks; ++ch) {
+      const __m512 e = decode_exp16(_mm512_sub_ps(_mm512_loadu_ps(si + ch * 16), mv));
+      sum = _mm512_add_ps(sum, e);
+      _mm512_storeu_ps(si + ch * 16, RoundP ? bf16_round16(e) : e);
+    }
+    st.l[i] += static_cast<double>(decode_hsum16(sum));
+  }
+}
+
 /// Keys [k0, k1) for NR rows: updates st (acc, m, l). 2 NR (k1 - k0) (d + dv) flops; reads each
 /// key and value once. \returns false if a raw score (before bias and mask) was not finite: with
 /// finite queries, a non-finite key (the caller does not scan K beforehand). `Bf16`: K, V and P
@@ -180,7 +245,6 @@ template <bool Bf16, int NR, typename In>
 EFFATTN_TARGET_AVX512F bool fused_decode_keys(const FusedDecodeProblem<In>& P, Index k0, Index k1,
                                               FusedDecodeState& st) {
   constexpr Index B = kFusedDecodeBlock, PF = kFusedDecodePrefetch;
-  constexpr float ninf = -std::numeric_limits<float>::infinity();
   constexpr int U = NR == 1 ? 4 : 2;  // independent partial sums per row in the value pass
   const Index d = P.d, dv = P.dv;
   float* s = st.s.data();
@@ -200,41 +264,7 @@ EFFATTN_TARGET_AVX512F bool fused_decode_keys(const FusedDecodeProblem<In>& P, I
       decode_key_columns<Bf16, NR, 4>(P, kc, j0, cnt, next, chunks, tail, s);
     for (; kc < d; ++kc) decode_key_columns<Bf16, NR, 1>(P, kc, j0, cnt, next, chunks, tail, s);
     // Softmax of the block: s_i becomes bf16(exp(s_i - m_i)), 0 for hidden or absent keys.
-    for (int i = 0; i < NR; ++i) {
-      float* si = s + i * B;
-      const Index visible = P.causal ? std::min(cnt, i + P.off + 1 - j0) : cnt;
-      __m512 mx = _mm512_set1_ps(ninf);
-      for (Index ch = 0; ch < chunks; ++ch) {
-        const __mmask16 k = lanes_below(visible - ch * 16);
-        __m512 v = _mm512_loadu_ps(si + ch * 16);
-        // x - x is NaN exactly for NaN and +-inf (lanes past the block's keys hold 0).
-        bad |= _mm512_cmp_ps_mask(_mm512_sub_ps(v, v), _mm512_setzero_ps(), _CMP_NEQ_UQ);
-        if (P.bias != nullptr)
-          v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(k, P.bias + j0 + ch * 16));
-        v = _mm512_mask_blend_ps(k, _mm512_set1_ps(ninf), v);
-        _mm512_storeu_ps(si + ch * 16, v);
-        mx = _mm512_maskz_max_ps(kDecodeAll, mx, v);
-      }
-      const float bm = decode_hmax16(mx);
-      if (bm == ninf) {  // no visible key in this block
-        for (Index ch = 0; ch < chunks; ++ch) _mm512_storeu_ps(si + ch * 16, _mm512_setzero_ps());
-        continue;
-      }
-      if (!(bm <= st.m[i] + kDecodeLazyMax)) {  // first block, or a maximum far above m
-        const float alpha = st.m[i] == ninf ? 0.0f : std::exp(st.m[i] - bm);
-        st.acc.col(i) *= alpha;
-        st.l[i] *= static_cast<double>(alpha);
-        st.m[i] = bm;
-      }
-      const __m512 mv = _mm512_set1_ps(st.m[i]);
-      __m512 sum = _mm512_setzero_ps();
-      for (Index ch = 0; ch < chunks; ++ch) {
-        const __m512 e = decode_exp16(_mm512_sub_ps(_mm512_loadu_ps(si + ch * 16), mv));
-        sum = _mm512_add_ps(sum, e);
-        _mm512_storeu_ps(si + ch * 16, Bf16 ? bf16_round16(e) : e);
-      }
-      st.l[i] += static_cast<double>(decode_hsum16(sum));
-    }
+    decode_block_softmax<NR, Bf16>(P, j0, cnt, chunks, st, bad);
     // Values: acc_i += p_i V_block, column segment by column segment.
     for (Index c = 0; c < dv; ++c) {
       const In* vc = P.V + c * P.ldv + j0;
@@ -261,15 +291,159 @@ EFFATTN_TARGET_AVX512F bool fused_decode_keys(const FusedDecodeProblem<In>& P, I
       for (int i = 0; i < NR; ++i) {
         __m512 t = a[i][0];
         for (int u = 1; u < U; ++u) t = _mm512_add_ps(t, a[i][u]);
-        acc[i * dv + c] += decode_hsum16(t);
+        acc[c * FusedDecodeState::R + i] += decode_hsum16(t);
       }
     }
   }
   return bad == 0;
 }
 
+/// 16 bf16 pairs (x_k, y_k) in 32-bit lanes (x in the low half) from two key columns (lanes
+/// outside `k` zero, y null: zeros): floats rounded to nearest even, bf16 widened.
+EFFATTN_TARGET_AVX512F inline __m512i decode_column_pairs(const float* x, const float* y,
+                                                          __mmask16 k) noexcept {
+  return bf16_vnni_pairs(_mm512_maskz_loadu_ps(k, x),
+                         y != nullptr ? _mm512_maskz_loadu_ps(k, y) : _mm512_setzero_ps());
+}
+EFFATTN_TARGET_AVX512F inline __m512i decode_column_pairs(const Eigen::bfloat16* x,
+                                                          const Eigen::bfloat16* y,
+                                                          __mmask16 k) noexcept {
+  const __m512i lo = _mm512_maskz_cvtepu16_epi32(kDecodeAll, _mm256_maskz_loadu_epi16(k, x));
+  if (y == nullptr) return lo;
+  return _mm512_or_si512(
+      lo, sll16(_mm512_maskz_cvtepu16_epi32(kDecodeAll, _mm256_maskz_loadu_epi16(k, y))));
+}
+
+/// 32 consecutive values of a column (the first `count` of them; the rest zero) as 16 bf16 pairs
+/// of neighbouring keys, (v_2k, v_2k+1) in lane k: the layout of `vdpbf16ps` operands that pair
+/// keys. Floats rounded to nearest even.
+EFFATTN_TARGET_AVX512BF16 inline __m512bh decode_key_pairs(const float* v, Index count) noexcept {
+  return _mm512_cvtne2ps_pbh(_mm512_maskz_loadu_ps(lanes_below(count - 16), v + 16),
+                             _mm512_maskz_loadu_ps(lanes_below(count), v));
+}
+EFFATTN_TARGET_AVX512BF16 inline __m512bh decode_key_pairs(const Eigen::bfloat16* v,
+                                                           Index count) noexcept {
+  const __mmask32 k = count >= 32  ? ~__mmask32(0)
+                      : count <= 0 ? __mmask32(0)
+                                   : static_cast<__mmask32>((std::uint32_t(1) << count) - 1u);
+  return (__m512bh)_mm512_maskz_loadu_epi16(k, v);
+}
+
+/// Scores of the 16 rows of the block at j0 from the key-column pairs [p0, p0 + G) (columns
+/// 2 p0 ... 2 (p0 + G) - 1; a missing last column of an odd d is zero): s_i += sum over the pairs
+/// of `vdpbf16ps` with the broadcast query pair qp[i dp + p]; each row's chunk loaded and stored
+/// once per G pairs.
+template <int G, typename In>
+EFFATTN_TARGET_AVX512BF16 inline void decode_key_pairs_pass(const FusedDecodeProblem<In>& P,
+                                                            const std::uint32_t* qp, Index dp,
+                                                            Index p0, Index j0, Index cnt,
+                                                            Index next, Index chunks,
+                                                            __mmask16 tail, float* s) {
+  constexpr Index B = kFusedDecodeBlock, NR = kFusedDecodeWideRows;
+  const In* x[G];
+  const In* y[G];
+  const In* pf[2 * G];
+  Index pf_valid[2 * G];
+  for (int g = 0; g < G; ++g) {
+    const Index c = 2 * (p0 + g);
+    x[g] = P.K + c * P.ldk + j0;
+    y[g] = c + 1 < P.d ? P.K + (c + 1) * P.ldk + j0 : nullptr;
+    for (int e = 0; e < 2; ++e)
+      // A pass reads 8 columns: the next pass's (measured at m = 262144, 16 rows: 0.50 of the
+      // streaming rate 4 columns ahead, 0.54 8 ahead, 0.56 16 ahead).
+      pf[2 * g + e] =
+          decode_segment(P, c + e + 2 * kFusedDecodePrefetch, j0, cnt, next, pf_valid[2 * g + e]);
+  }
+  for (Index ch = 0; ch < chunks; ++ch) {
+    const __mmask16 k = ch + 1 < chunks ? kDecodeAll : tail;
+    __m512bh kp[G];
+    for (int g = 0; g < G; ++g) {
+      prefetch_chunk(pf[2 * g], ch, pf_valid[2 * g]);
+      prefetch_chunk(pf[2 * g + 1], ch, pf_valid[2 * g + 1]);
+      kp[g] = (__m512bh)decode_column_pairs(x[g] + ch * 16,
+                                            y[g] != nullptr ? y[g] + ch * 16 : nullptr, k);
+    }
+    EFFATTN_UNROLL16
+    for (Index i = 0; i < NR; ++i) {
+      float* sp = s + i * B + ch * 16;
+      __m512 a = _mm512_loadu_ps(sp);
+      for (int g = 0; g < G; ++g)
+        a = _mm512_dpbf16_ps(a, kp[g],
+                             (__m512bh)_mm512_set1_epi32(static_cast<int>(qp[i * dp + p0 + g])));
+      _mm512_storeu_ps(sp, a);
+    }
+  }
+}
+
+/// The 16-row bf16 form of `fused_decode_keys` (5 to 16 queries, rows past them zero): the
+/// scores by `vdpbf16ps` on pairs of key columns (8 columns per pass over the scores), the same
+/// block softmax, P converted to pairs of neighbouring keys, and per value column c the 16
+/// output entries as 16 accumulators of `vdpbf16ps` over 32-key chunks (pairs of neighbouring
+/// keys: a bf16 column is already in that layout), reduced by one shuffle tree into a vector
+/// added to st.acc's column c. qp: 16 x dp query pairs (dp = ceil(d / 2)), row-major.
+template <typename In>
+EFFATTN_TARGET_AVX512BF16 bool fused_decode_keys_wide(const FusedDecodeProblem<In>& P,
+                                                      const std::uint32_t* qp, Index k0, Index k1,
+                                                      FusedDecodeState& st) {
+  constexpr Index B = kFusedDecodeBlock, PF = kFusedDecodePrefetch;
+  constexpr int NR = static_cast<int>(kFusedDecodeWideRows);
+  const Index d = P.d, dv = P.dv, dp = (d + 1) / 2;
+  float* s = st.s.data();
+  float* acc = st.acc.data();
+  std::uint32_t* pp = st.pp.data();
+  __mmask16 bad = 0;
+  for (Index j0 = k0; j0 < k1; j0 += B) {
+    const Index cnt = std::min(B, k1 - j0), chunks = (cnt + 15) / 16, c32 = (cnt + 31) / 32;
+    const Index next = std::min(B, std::max<Index>(0, k1 - j0 - B));
+    const __mmask16 tail = lanes_below(cnt - 16 * (chunks - 1));
+    for (int i = 0; i < NR; ++i)
+      for (Index ch = 0; ch < chunks; ++ch)
+        _mm512_storeu_ps(s + i * B + ch * 16, _mm512_setzero_ps());
+    Index p = 0;
+    for (; p + 4 <= dp; p += 4)
+      decode_key_pairs_pass<4>(P, qp, dp, p, j0, cnt, next, chunks, tail, s);
+    for (; p < dp; ++p) decode_key_pairs_pass<1>(P, qp, dp, p, j0, cnt, next, chunks, tail, s);
+    // P rounded to bf16 when converted to pairs below.
+    decode_block_softmax<NR, false>(P, j0, cnt, chunks, st, bad);
+    for (int i = 0; i < NR; ++i)
+      for (Index t = 0; t < c32; ++t) {
+        const float* si = s + i * B + 32 * t;
+        const __m512bh pair =
+            _mm512_cvtne2ps_pbh(_mm512_maskz_loadu_ps(lanes_below(cnt - 32 * t - 16), si + 16),
+                                _mm512_maskz_loadu_ps(lanes_below(cnt - 32 * t), si));
+        _mm512_storeu_si512(pp + (i * c32 + t) * 16, (__m512i)pair);
+      }
+    for (Index c = 0; c < dv; ++c) {
+      const In* vc = P.V + c * P.ldv + j0;
+      Index pf_valid = 0;
+      const In* pf = decode_segment(P, d + c + PF, j0, cnt, next, pf_valid);
+      // 16 accumulators in registers: the row loops are unrolled (GCC keeps a[] in memory
+      // otherwise, a store per vdpbf16ps).
+      __m512 a[NR];
+      EFFATTN_UNROLL16
+      for (int i = 0; i < NR; ++i) a[i] = _mm512_setzero_ps();
+      for (Index t = 0; t < c32; ++t) {
+        prefetch_chunk(pf, 2 * t, pf_valid);
+        prefetch_chunk(pf, 2 * t + 1, pf_valid);
+        const __m512bh vp = decode_key_pairs(vc + 32 * t, cnt - 32 * t);
+        EFFATTN_UNROLL16
+        for (int i = 0; i < NR; ++i)
+          a[i] = _mm512_dpbf16_ps(a[i], (__m512bh)_mm512_loadu_si512(pp + (i * c32 + t) * 16), vp);
+      }
+      // decode_reduce16 sums input 4 k + q into lane 4 q + k: feed row 4 q + k there.
+      __m512 r[NR];
+      EFFATTN_UNROLL16
+      for (int j = 0; j < NR; ++j) r[j] = a[4 * (j % 4) + j / 4];
+      float* ac = acc + c * NR;
+      _mm512_storeu_ps(ac, _mm512_add_ps(_mm512_loadu_ps(ac), decode_reduce16(r)));
+    }
+  }
+  return bad == 0;
+}
+
 /// Fused decoding (`Bf16`: the TiledBf16 arithmetic; otherwise fp32, In = float): out (n x dv)
-/// and lse (n) for n <= `kFusedDecodeMaxRows` queries, key ranges as
+/// and lse (n) for n <= `kFusedDecodeMaxRows` queries (`kFusedDecodeWideRows` when Bf16), key
+/// ranges as
 /// `plan.kv_splits` says (32-aligned, as the tile kernels split), merged by log-sum-exp.
 /// Thread-count independent. Needs AVX512F (an x86 bf16 path was selected). O(splits n dv) memory.
 /// \returns false if a raw score was not finite (see `fused_decode_keys`): K and V are checked by
@@ -279,11 +453,21 @@ bool fused_decode_run(const Eigen::Ref<const Matrix<In>>& Q, const Eigen::Ref<co
                       const Eigen::Ref<const Matrix<In>>& V, const float* bias, float scale,
                       bool causal, const TilePlan& plan, Matrix<float>& out, Vector<float>& lse) {
   const Index n = Q.rows(), m = K.rows(), d = Q.cols(), dv = V.cols();
-  std::vector<float> q(static_cast<std::size_t>(n * d));  // row-major
+  // 1-4 rows: the scaled queries (rounded to bf16 when Bf16), row-major; 5-16 rows (Bf16 only):
+  // 16 rows of query pairs (bf16(s Q_i,2p), bf16(s Q_i,2p+1)), zero past the queries and d.
+  const bool wide = n > kFusedDecodeMaxRows;
+  const Index dp = (d + 1) / 2;
+  std::vector<float> q(wide ? 0 : static_cast<std::size_t>(n * d));
+  std::vector<std::uint32_t> qp(wide ? static_cast<std::size_t>(kFusedDecodeWideRows * dp) : 0, 0u);
   for (Index i = 0; i < n; ++i)
-    for (Index c = 0; c < d; ++c)
-      q[static_cast<std::size_t>(i * d + c)] =
-          Bf16 ? rounded_float(Q(i, c), scale) : static_cast<float>(Q(i, c)) * scale;
+    for (Index c = 0; c < d; ++c) {
+      if (wide)
+        qp[static_cast<std::size_t>(i * dp + c / 2)] |= std::uint32_t(to_bf16(Q(i, c), scale))
+                                                        << (16 * (c % 2));
+      else
+        q[static_cast<std::size_t>(i * d + c)] =
+            Bf16 ? rounded_float(Q(i, c), scale) : static_cast<float>(Q(i, c)) * scale;
+    }
   FusedDecodeProblem<In> P;
   P.q = q.data();
   P.rows = n;
@@ -302,31 +486,34 @@ bool fused_decode_run(const Eigen::Ref<const Matrix<In>>& Q, const Eigen::Ref<co
   std::vector<Matrix<float>> part_acc(static_cast<std::size_t>(splits), Matrix<float>(n, dv));
   std::vector<char> finite(static_cast<std::size_t>(splits), 1);
   parallel_for(
-      splits, [&] { return FusedDecodeState(dv); },
+      splits, [&] { return FusedDecodeState(dv, wide); },
       [&](Index sp, FusedDecodeState& st) {
         const Index k0 = sp == 0 ? 0 : m * sp / splits / 32 * 32;
         const Index k1 = sp + 1 == splits ? m : m * (sp + 1) / splits / 32 * 32;
         st.reset();
         bool ok = true;
-        switch (n) {
-          case 1:
-            ok = fused_decode_keys<Bf16, 1>(P, k0, k1, st);
-            break;
-          case 2:
-            ok = fused_decode_keys<Bf16, 2>(P, k0, k1, st);
-            break;
-          case 3:
-            ok = fused_decode_keys<Bf16, 3>(P, k0, k1, st);
-            break;
-          default:
-            ok = fused_decode_keys<Bf16, 4>(P, k0, k1, st);
-            break;
+        if constexpr (Bf16) {
+          if (wide) ok = fused_decode_keys_wide<In>(P, qp.data(), k0, k1, st);
         }
+        if (!wide) switch (n) {
+            case 1:
+              ok = fused_decode_keys<Bf16, 1>(P, k0, k1, st);
+              break;
+            case 2:
+              ok = fused_decode_keys<Bf16, 2>(P, k0, k1, st);
+              break;
+            case 3:
+              ok = fused_decode_keys<Bf16, 3>(P, k0, k1, st);
+              break;
+            default:
+              ok = fused_decode_keys<Bf16, 4>(P, k0, k1, st);
+              break;
+          }
         for (Index i = 0; i < n; ++i) {
           part_m(i, sp) = st.m[i];
           part_l(i, sp) = st.l[i];
         }
-        part_acc[static_cast<std::size_t>(sp)] = st.acc.leftCols(n).transpose();
+        part_acc[static_cast<std::size_t>(sp)] = st.acc.topRows(n);
         finite[static_cast<std::size_t>(sp)] = ok ? 1 : 0;
       });
   out.resize(n, dv);
