@@ -339,6 +339,15 @@ TEST_CASE("TiledBf16 rejects bad inputs and unavailable paths", "[bf16]") {
   const Matrix<float> Q = Matrix<float>::Ones(4, 8), K = Matrix<float>::Ones(6, 8),
                       V = Matrix<float>::Ones(6, 3);
   CHECK_THROWS_AS(f.compute(Q, Matrix<float>::Ones(6, 7), V), effattn::invalid_argument);
+  // Empty operands (a decoding-sized call plans its key splits only after the checks).
+  CHECK_THROWS_AS(f.compute(Matrix<float>(0, 8), K, V), effattn::invalid_argument);
+  CHECK_THROWS_AS(f.compute(Q, Matrix<float>(0, 8), Matrix<float>(0, 3)),
+                  effattn::invalid_argument);
+  CHECK_THROWS_AS(f.compute(Matrix<float>(4, 0), Matrix<float>(6, 0), V),
+                  effattn::invalid_argument);
+  CHECK_THROWS_AS(f.compute(Q, K, Matrix<float>(6, 0)), effattn::invalid_argument);
+  CHECK_THROWS_AS(ExactAttentionf().compute(Matrix<float>(0, 8), K, V), effattn::invalid_argument);
+  CHECK_THROWS_AS(ExactAttentionf().compute(Q, K, Matrix<float>(6, 0)), effattn::invalid_argument);
   Bf16Matrix Kb = to_bf16(K);
   Kb(2, 3) = Eigen::bfloat16(std::numeric_limits<float>::quiet_NaN());
   CHECK_THROWS_AS(f.compute(to_bf16(Q), Kb, to_bf16(V)), effattn::invalid_argument);

@@ -80,12 +80,17 @@ template <typename In>
 void exact_bf16(const Eigen::Ref<const Matrix<In>>& Q, const Eigen::Ref<const Matrix<In>>& K,
                 const Eigen::Ref<const Matrix<In>>& V, const float* bias, double scale,
                 const ExactOptions& opts, const char* method, ExactResult<float>& r) {
-  const TilePlan plan =
-      plan_bf16_tiles(Q.rows(), K.rows(), Q.cols(), V.cols(), opts.block_q, opts.block_k);
   const Isa isa = selected_isa();
-  const bool deferred = bf16_decode_fused(Q.rows(), plan, isa);
+  // Empty inputs are rejected by the checks before any plan is made (a plan divides by n).
+  const bool deferred =
+      Q.rows() > 0 && Q.cols() > 0 && K.rows() > 0 && V.cols() > 0 &&
+      bf16_decode_fused(
+          Q.rows(),
+          plan_bf16_tiles(Q.rows(), K.rows(), Q.cols(), V.cols(), opts.block_q, opts.block_k), isa);
   check_exact_inputs(Q.template cast<float>(), K.template cast<float>(), V.template cast<float>(),
                      opts.causal, method, !deferred);
+  const TilePlan plan =
+      plan_bf16_tiles(Q.rows(), K.rows(), Q.cols(), V.cols(), opts.block_q, opts.block_k);
   const bool scores_finite = tiled_attention_bf16<In>(Q, K, V, bias, static_cast<float>(scale),
                                                       opts.causal, plan, isa, r.output, r.lse);
   r.block_q = plan.bq;
