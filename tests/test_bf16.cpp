@@ -177,7 +177,8 @@ TEST_CASE("bf16 fused decoding kernel: 1-16 rows, tails, rescales, bias, bf16 in
   std::vector<Isa> isas;
   for (const Isa isa : {Isa::Avx512Bf16, Isa::Amx})
     if (available_or_warn(isa)) isas.push_back(isa);
-  // 1-4 rows: the FMA form; 5, 9, 16: the vdpbf16ps form (16 score rows).
+  // 1-4 rows: the FMA form; 5, 9, 16: the vdpbf16ps form (16 score rows) on avx512bf16, the tile
+  // form on amx (dv = d + 2: a partial group of 16 value columns).
   for (const Index n : {1, 2, 3, 4, 5, 9, 16})
     // 17: an odd column (a pair with a zero partner); 18: a one-column pass after four (FMA
     // form) and a one-pair pass (vdpbf16ps form).
@@ -217,23 +218,26 @@ TEST_CASE("bf16 fused decoding kernel: 1-16 rows, tails, rescales, bias, bf16 in
 
 TEST_CASE("bf16 decoding: a non-finite key or value anywhere throws (K and V not pre-scanned)",
           "[bf16][decode]") {
-  const auto w =
-      workloads::make<float>(workloads::Kind::Gaussian, workloads::Params::shape(2, 3000, 64, 64));
   const float inf = std::numeric_limits<float>::infinity();
   const ExactAttentionBf16 f;
-  REQUIRE(f.compute(w.Q, w.K, w.V).info == Info::Success);
-  for (const float bad : {std::numeric_limits<float>::quiet_NaN(), inf, -inf})
-    for (const Index row : {Index(0), Index(1500), Index(2999)})
-      for (const Index col : {Index(0), Index(63)}) {
-        INFO("value " << bad << " at (" << row << ", " << col << ")");
-        Matrix<float> K = w.K, V = w.V;
-        K(row, col) = bad;
-        CHECK_THROWS_WITH(f.compute(w.Q, K, w.V), Catch::Contains("K ("));
-        CHECK_THROWS_WITH(f.compute(to_bf16(w.Q), to_bf16(K), to_bf16(w.V)),
-                          Catch::Contains("K ("));
-        V(row, col) = bad;
-        CHECK_THROWS_WITH(f.compute(w.Q, w.K, V), Catch::Contains("V ("));
-      }
+  // 2 queries: the FMA form; 8: the vdpbf16ps or the tile form (by path).
+  for (const Index n : {2, 8}) {
+    const auto w = workloads::make<float>(workloads::Kind::Gaussian,
+                                          workloads::Params::shape(n, 3000, 64, 64));
+    REQUIRE(f.compute(w.Q, w.K, w.V).info == Info::Success);
+    for (const float bad : {std::numeric_limits<float>::quiet_NaN(), inf, -inf})
+      for (const Index row : {Index(0), Index(1500), Index(2999)})
+        for (const Index col : {Index(0), Index(63)}) {
+          INFO("n = " << n << ", value " << bad << " at (" << row << ", " << col << ")");
+          Matrix<float> K = w.K, V = w.V;
+          K(row, col) = bad;
+          CHECK_THROWS_WITH(f.compute(w.Q, K, w.V), Catch::Contains("K ("));
+          CHECK_THROWS_WITH(f.compute(to_bf16(w.Q), to_bf16(K), to_bf16(w.V)),
+                            Catch::Contains("K ("));
+          V(row, col) = bad;
+          CHECK_THROWS_WITH(f.compute(w.Q, w.K, V), Catch::Contains("V ("));
+        }
+  }
 }
 
 TEST_CASE("the bf16 paths agree with each other", "[bf16]") {

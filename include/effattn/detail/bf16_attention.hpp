@@ -268,7 +268,8 @@ bool tiled_attention_bf16(const Eigen::Ref<const Matrix<In>>& Q,
   if (n <= kBf16StreamingMaxQueries && plan.q_blocks == 1) {
 #if EFFATTN_BF16_X86
     if (bf16_decode_fused(n, plan, isa))
-      return fused_decode_run<true, In>(Q, K, V, bias, scale, causal, plan, out, lse);
+      return fused_decode_run<true, In>(Q, K, V, bias, scale, causal, plan, out, lse,
+                                        isa == Isa::Amx);
 #endif
     Matrix<float> q(n, Q.cols());
     for (Index c = 0; c < Q.cols(); ++c)

@@ -1,9 +1,10 @@
 /// \file fused_decode_avx512.hpp
 /// \brief The fused decoding kernel of exact attention on AVX-512: a few queries against a
 /// column-major K and V (float or bf16), read once, column segment by column segment, with the
-/// products and the online softmax fused into the read. Three forms: bf16 with 1-4 queries and
-/// with 5-16 queries (`policy::TiledBf16` on the x86 paths), and fp32 with 1-4 queries (float
-/// `policy::Tiled`, the same code without the roundings).
+/// products and the online softmax fused into the read. Four forms: bf16 with 1-4 queries, with
+/// 5-16 queries on the avx512bf16 path (`vdpbf16ps`) and with 5-16 queries on the AMX path (tile
+/// products, `fused_decode_keys_amx`), all `policy::TiledBf16`, and fp32 with 1-4 queries (float
+/// `policy::Tiled`, the FMA form without the roundings).
 ///
 /// Decoding reads the whole cache for a handful of flops per key, so the read is the cost. The
 /// tile kernels this replaces rounded a 1024-key tile of K or V into a cache-resident buffer and
@@ -45,6 +46,7 @@
 #include "../core/online_softmax.hpp"
 #include "../core/parallel.hpp"
 #include "../core/types.hpp"
+#include "bf16_amx.hpp"
 #include "bf16_avx512.hpp"
 #include "bf16_pack.hpp"
 #include "decode_avx512.hpp"
@@ -59,10 +61,23 @@ constexpr Index kFusedDecodeMaxRows = 4;
 /// The most query rows of the bf16 form, whose products are `vdpbf16ps` on bf16 pairs (5 to 16
 /// rows: 16 score rows per block, padded with zero queries).
 constexpr Index kFusedDecodeWideRows = 16;
+/// The fewest query rows for which the AMX path runs the AMX form (`fused_decode_keys_amx`: tile
+/// products of 16 rows, whose cost hardly depends on the row count). Measured (2 threads,
+/// d = 128, m = 32768 / 262144, % of the streaming read): 16 rows 55% / 70% against 26% / 49%
+/// for the vdpbf16ps form; 4 rows 62% / 75% against 48% / 82% for the FMA form; 1 row 61% /
+/// 76% against 79-83% / 95-101%. From 5 rows, where the AMX form wins at both sizes.
+constexpr Index kFusedDecodeAmxMinRows = 5;
 /// Keys per block: a 2 KiB column segment of float; 4 (16) x 2 KiB of scores in L1.
 constexpr Index kFusedDecodeBlock = 512;
 /// Column segments prefetched ahead.
 constexpr Index kFusedDecodePrefetch = 4;
+
+/// Row strides (in 64-byte rows) of the AMX form's K and V^T tile buffers: one more than the
+/// chunks of a block, so that the 16 rows of a tile fall into different L1 sets.
+constexpr Index kAmxKStride = kFusedDecodeBlock / 16 + 1;
+constexpr Index kAmxVStride = kFusedDecodeBlock / 32 + 1;
+/// Value-column groups of 16 whose tile products run together in the AMX form.
+constexpr Index kAmxValueGroups = 4;
 
 /// x rounded to bf16 (nearest even) and widened back to fp32, 16 lanes; no NaN inputs.
 EFFATTN_TARGET_AVX512F inline __m512 bf16_round16(__m512 x) noexcept {
@@ -109,12 +124,22 @@ struct FusedDecodeState {
   Matrix<float> s, acc;
   std::vector<std::uint32_t>
       pp;  ///< R x (block / 2) pairs: row i's 32-key chunk t at (i c32 + t) 16
+  /// AMX form: the block's K as `tdpbf16ps` B tiles (chunk n, d-tile t at (n dq + t) 256: row p
+  /// = the pairs of columns 32 t + 2 p, 32 t + 2 p + 1 for the chunk's 16 keys), one value
+  /// group's V^T A tiles (32-key chunk t at t 256: row r = column 16 g + r's 32 keys) and P^T
+  /// B tiles (chunk t at t 256: row k = the 16 rows' pairs of keys 2 k, 2 k + 1).
+  std::vector<std::uint32_t> kb, vb, pt;
   float m[R];
   double l[R];
-  FusedDecodeState(Index dv, bool wide)
+  /// acc has dv columns, rounded up to a multiple of 16 for the AMX form (`amx_d` = d > 0).
+  FusedDecodeState(Index dv, bool wide, Index amx_d = 0)
       : s(kFusedDecodeBlock, R),
-        acc(R, dv),
-        pp(wide ? static_cast<std::size_t>(R * kFusedDecodeBlock / 2) : 0) {}
+        acc(R, amx_d > 0 ? round_up(dv, 16) : dv),
+        pp(wide ? static_cast<std::size_t>(R * kFusedDecodeBlock / 2) : 0),
+        kb(amx_d > 0 ? static_cast<std::size_t>(round_up(amx_d, 32) / 2 * kAmxKStride * 16) : 0,
+           0u),
+        vb(amx_d > 0 ? static_cast<std::size_t>(16 * kAmxValueGroups * kAmxVStride * 16) : 0, 0u),
+        pt(amx_d > 0 ? static_cast<std::size_t>(R * kFusedDecodeBlock / 2) : 0, 0u) {}
   void reset() {
     acc.setZero();
     std::fill(m, m + R, -std::numeric_limits<float>::infinity());
@@ -188,7 +213,8 @@ EFFATTN_TARGET_AVX512F inline void decode_key_columns(const FusedDecodeProblem<I
   }
 }
 
-/// Softmax of the block at j0 (`cnt` keys in `chunks` 16-key chunks) for NR rows, whose scores
+/// Softmax of the block at j0 (`cnt` keys in `chunks` 16-key chunks) for NR rows (the first
+/// `rows` of them), whose scores
 /// are in st.s (column i = row i): adds the bias, hides the keys a causal row does not see,
 /// collects in `bad` the lanes whose raw score was not finite, updates the lazy running maximum
 /// (rescaling st.acc and st.l when a block exceeds it by more than `kDecodeLazyMax`), adds the
@@ -197,11 +223,12 @@ EFFATTN_TARGET_AVX512F inline void decode_key_columns(const FusedDecodeProblem<I
 template <int NR, bool RoundP, typename In>
 EFFATTN_TARGET_AVX512F inline void decode_block_softmax(const FusedDecodeProblem<In>& P, Index j0,
                                                         Index cnt, Index chunks,
-                                                        FusedDecodeState& st, __mmask16& bad) {
+                                                        FusedDecodeState& st, __mmask16& bad,
+                                                        Index rows = NR) {
   constexpr Index B = kFusedDecodeBlock;
   constexpr float ninf = -std::numeric_limits<float>::infinity();
   float* s = st.s.data();
-  for (int i = 0; i < NR; ++i) {
+  for (int i = 0; i < static_cast<int>(rows); ++i) {
     float* si = s + i * B;
     const Index visible = P.causal ? std::min(cnt, i + P.off + 1 - j0) : cnt;
     __m512 mx = _mm512_set1_ps(ninf);
@@ -441,6 +468,185 @@ EFFATTN_TARGET_AVX512BF16 bool fused_decode_keys_wide(const FusedDecodeProblem<I
   return bad == 0;
 }
 
+/// 16 bf16 pairs (x_k, y_k) of two key columns as `decode_column_pairs`, rounded by
+/// `vcvtne2ps2bf16` and interleaved by one word permutation (fewer instructions than the integer
+/// rounding; the same bits for finite inputs other than denormals, which the tile products treat
+/// as zero anyway). bf16 inputs are only interleaved.
+EFFATTN_TARGET_AVX512BF16 inline __m512i decode_column_pairs_cvt(const float* x, const float* y,
+                                                                 __mmask16 k) noexcept {
+  alignas(64) static constexpr std::uint16_t kInterleave[32] = {
+      0, 16, 1, 17, 2,  18, 3,  19, 4,  20, 5,  21, 6,  22, 7,  23,
+      8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+  const __m512bh h =
+      _mm512_cvtne2ps_pbh(y != nullptr ? _mm512_maskz_loadu_ps(k, y) : _mm512_setzero_ps(),
+                          _mm512_maskz_loadu_ps(k, x));
+  return _mm512_permutexvar_epi16(_mm512_load_si512(kInterleave), (__m512i)h);
+}
+EFFATTN_TARGET_AVX512BF16 inline __m512i decode_column_pairs_cvt(const Eigen::bfloat16* x,
+                                                                 const Eigen::bfloat16* y,
+                                                                 __mmask16 k) noexcept {
+  return decode_column_pairs(x, y, k);
+}
+
+/// The AMX form of `fused_decode_keys` (bf16 arithmetic, `rows` = 1 to 16 queries; the caller
+/// holds an `AmxTileScope`): per 512-key block,
+/// - K, column pair by column pair (two contiguous segments), rounded into `tdpbf16ps` B tiles
+///   (st.kb: pair p's chunk ch at (p kAmxKStride + ch) 16, so a tile is 16 rows of stride
+///   kAmxKStride 64 bytes), and the scores S = sum over the d-tiles of the query tile (qt: 16 rows
+///   x 32 bf16 per d-tile, row stride dq 64 bytes) times the K tiles, 4 key chunks at a time
+///   (four independent accumulator tiles), stored into st.s;
+/// - the block softmax of the `rows` rows, P rounded to bf16 pairs of neighbouring keys and
+///   transposed into P^T B tiles (st.pt: chunk t at t 256, row k = the pairs of keys 2 k, 2 k + 1
+///   of the 16 rows; rows past `rows` stay zero);
+/// - 64 value columns at a time, V's segments rounded into V^T A tiles (st.vb: column r's
+///   32-key chunk t at (r kAmxVStride + t) 16) and acc^T (the column-major st.acc, 16 columns x
+///   16 rows per tile) += V^T P^T, four accumulator tiles.
+/// The products are exact and accumulated in fp32 as in the other forms, in another order (the
+/// results differ from them by fp32 round-off). 2 x 16 (k1 - k0) (d + dv) flops of tile
+/// products; reads each key and value once.
+template <typename In>
+EFFATTN_TARGET_AMX bool fused_decode_keys_amx(const FusedDecodeProblem<In>& P,
+                                              const std::uint32_t* qt, Index rows, Index k0,
+                                              Index k1, FusedDecodeState& st) {
+  constexpr Index B = kFusedDecodeBlock, PF = kFusedDecodePrefetch, R = FusedDecodeState::R;
+  constexpr Index KS = kAmxKStride, VS = kAmxVStride, NG = kAmxValueGroups;
+  const Index d = P.d, dv = P.dv, dq = (d + 31) / 32, dp = (d + 1) / 2, groups = (dv + 15) / 16;
+  float* s = st.s.data();
+  float* acc = st.acc.data();
+  std::uint32_t* kb = st.kb.data();
+  std::uint32_t* vb = st.vb.data();
+  std::uint32_t* pt = st.pt.data();
+  __mmask16 bad = 0;
+  alignas(64) std::uint32_t tr[R * 16];
+  for (Index j0 = k0; j0 < k1; j0 += B) {
+    const Index cnt = std::min(B, k1 - j0), chunks = (cnt + 15) / 16, c32 = (cnt + 31) / 32;
+    const Index next = std::min(B, std::max<Index>(0, k1 - j0 - B));
+    const __mmask16 tail = lanes_below(cnt - 16 * (chunks - 1));
+    // K into B tiles, pair of columns by pair of columns (the pairs past d stay zero).
+    for (Index p = 0; p < dp; ++p) {
+      const Index c = 2 * p;
+      const In* x = P.K + c * P.ldk + j0;
+      const In* y = c + 1 < d ? x + P.ldk : nullptr;
+      Index pv = 0;
+      // Prefetches may run past a short segment: they never fault, and the lines are the
+      // next keys of the same column or of the next one.
+      const In* pf0 = decode_segment(P, c + 2 * PF, j0, cnt, next, pv);
+      const In* pf1 = decode_segment(P, c + 1 + 2 * PF, j0, cnt, next, pv);
+      if (pf1 == nullptr) pf1 = pf0;
+      std::uint32_t* dst = kb + p * KS * 16;
+      for (Index ch = 0; ch < chunks; ++ch) {
+        const __mmask16 k = ch + 1 < chunks ? kDecodeAll : tail;
+        if (pf0 != nullptr) {
+          _mm_prefetch(reinterpret_cast<const char*>(pf0 + ch * 16), _MM_HINT_T1);
+          _mm_prefetch(reinterpret_cast<const char*>(pf1 + ch * 16), _MM_HINT_T1);
+        }
+        _mm512_storeu_si512(
+            dst + ch * 16,
+            decode_column_pairs_cvt(x + ch * 16, y != nullptr ? y + ch * 16 : nullptr, k));
+      }
+    }
+    EFFATTN_TILE_MEMORY_BARRIER();
+    // Scores, 4 chunks of 16 keys at a time: tiles 0-3 accumulate, 4 holds the query tile, 5-7
+    // the key tiles.
+    for (Index ch = 0; ch < chunks; ch += 4) {
+      const Index nc = std::min<Index>(4, chunks - ch);
+      _tile_zero(0);
+      _tile_zero(1);
+      _tile_zero(2);
+      _tile_zero(3);
+      for (Index t = 0; t < dq; ++t) {
+        const std::uint32_t* kt = kb + (t * 16 * KS + ch) * 16;
+        _tile_loadd(4, qt + t * 16, dq * 64);
+        _tile_loadd(5, kt, KS * 64);
+        _tile_dpbf16ps(0, 4, 5);
+        if (nc > 1) {
+          _tile_loadd(6, kt + 16, KS * 64);
+          _tile_dpbf16ps(1, 4, 6);
+        }
+        if (nc > 2) {
+          _tile_loadd(7, kt + 32, KS * 64);
+          _tile_dpbf16ps(2, 4, 7);
+        }
+        if (nc > 3) {
+          _tile_loadd(5, kt + 48, KS * 64);
+          _tile_dpbf16ps(3, 4, 5);
+        }
+      }
+      _tile_stored(0, s + ch * 16, B * 4);
+      if (nc > 1) _tile_stored(1, s + ch * 16 + 16, B * 4);
+      if (nc > 2) _tile_stored(2, s + ch * 16 + 32, B * 4);
+      if (nc > 3) _tile_stored(3, s + ch * 16 + 48, B * 4);
+    }
+    EFFATTN_TILE_MEMORY_BARRIER();
+    decode_block_softmax<R, false>(P, j0, cnt, chunks, st, bad, rows);
+    // P^T: row i's 32-key chunk t as 16 pairs, transposed into the tile (k, i).
+    for (Index t = 0; t < c32; ++t) {
+      for (Index i = 0; i < rows; ++i) {
+        const float* si = s + i * B + 32 * t;
+        _mm512_store_si512(tr + i * 16,
+                           (__m512i)_mm512_cvtne2ps_pbh(
+                               _mm512_maskz_loadu_ps(lanes_below(cnt - 32 * t - 16), si + 16),
+                               _mm512_maskz_loadu_ps(lanes_below(cnt - 32 * t), si)));
+      }
+      std::uint32_t* dst = pt + t * 256;
+      for (Index k = 0; k < 16; ++k)
+        for (Index i = 0; i < rows; ++i) dst[k * 16 + i] = tr[i * 16 + k];
+    }
+    // acc^T += V^T P^T, NG groups of 16 value columns at a time (the rows of a partial last
+    // group are stale values that only reach acc's padding columns).
+    for (Index g0 = 0; g0 < groups; g0 += NG) {
+      const Index ng = std::min(NG, groups - g0);
+      for (Index c = 16 * g0; c < std::min(dv, 16 * (g0 + ng)); ++c) {
+        const In* vc = P.V + c * P.ldv + j0;
+        Index pfv = 0;
+        const In* pf = decode_segment(P, d + c + PF, j0, cnt, next, pfv);
+        std::uint32_t* dst = vb + (c - 16 * g0) * VS * 16;
+        const Index full = cnt / 32;  // chunks of 32 keys without a tail
+        for (Index t = 0; t < full; ++t) {
+          if (pf != nullptr) {
+            _mm_prefetch(reinterpret_cast<const char*>(pf + 32 * t), _MM_HINT_T1);
+            _mm_prefetch(reinterpret_cast<const char*>(pf + 32 * t + 16), _MM_HINT_T1);
+          }
+          _mm512_storeu_si512(dst + t * 16, (__m512i)decode_key_pairs(vc + 32 * t, Index(32)));
+        }
+        if (full < c32)
+          _mm512_storeu_si512(dst + full * 16,
+                              (__m512i)decode_key_pairs(vc + 32 * full, cnt - 32 * full));
+      }
+      EFFATTN_TILE_MEMORY_BARRIER();
+      float* a = acc + g0 * 256;
+      _tile_loadd(0, a, 64);
+      if (ng > 1) _tile_loadd(1, a + 256, 64);
+      if (ng > 2) _tile_loadd(2, a + 512, 64);
+      if (ng > 3) _tile_loadd(3, a + 768, 64);
+      for (Index t = 0; t < c32; ++t) {
+        const std::uint32_t* vt = vb + t * 16;
+        _tile_loadd(4, pt + t * 256, 64);
+        _tile_loadd(5, vt, VS * 64);
+        _tile_dpbf16ps(0, 5, 4);
+        if (ng > 1) {
+          _tile_loadd(6, vt + 16 * VS * 16, VS * 64);
+          _tile_dpbf16ps(1, 6, 4);
+        }
+        if (ng > 2) {
+          _tile_loadd(7, vt + 32 * VS * 16, VS * 64);
+          _tile_dpbf16ps(2, 7, 4);
+        }
+        if (ng > 3) {
+          _tile_loadd(5, vt + 48 * VS * 16, VS * 64);
+          _tile_dpbf16ps(3, 5, 4);
+        }
+      }
+      _tile_stored(0, a, 64);
+      if (ng > 1) _tile_stored(1, a + 256, 64);
+      if (ng > 2) _tile_stored(2, a + 512, 64);
+      if (ng > 3) _tile_stored(3, a + 768, 64);
+      EFFATTN_TILE_MEMORY_BARRIER();
+    }
+  }
+  return bad == 0;
+}
+
 /// Fused decoding (`Bf16`: the TiledBf16 arithmetic; otherwise fp32, In = float): out (n x dv)
 /// and lse (n) for n <= `kFusedDecodeMaxRows` queries (`kFusedDecodeWideRows` when Bf16), key
 /// ranges as
@@ -451,18 +657,23 @@ EFFATTN_TARGET_AVX512BF16 bool fused_decode_keys_wide(const FusedDecodeProblem<I
 template <bool Bf16, typename In>
 bool fused_decode_run(const Eigen::Ref<const Matrix<In>>& Q, const Eigen::Ref<const Matrix<In>>& K,
                       const Eigen::Ref<const Matrix<In>>& V, const float* bias, float scale,
-                      bool causal, const TilePlan& plan, Matrix<float>& out, Vector<float>& lse) {
+                      bool causal, const TilePlan& plan, Matrix<float>& out, Vector<float>& lse,
+                      bool amx = false) {
   const Index n = Q.rows(), m = K.rows(), d = Q.cols(), dv = V.cols();
-  // 1-4 rows: the scaled queries (rounded to bf16 when Bf16), row-major; 5-16 rows (Bf16 only):
-  // 16 rows of query pairs (bf16(s Q_i,2p), bf16(s Q_i,2p+1)), zero past the queries and d.
-  const bool wide = n > kFusedDecodeMaxRows;
-  const Index dp = (d + 1) / 2;
-  std::vector<float> q(wide ? 0 : static_cast<std::size_t>(n * d));
-  std::vector<std::uint32_t> qp(wide ? static_cast<std::size_t>(kFusedDecodeWideRows * dp) : 0, 0u);
+  amx = Bf16 && amx && n >= kFusedDecodeAmxMinRows;
+  // 1-4 rows (FMA forms): the scaled queries (rounded to bf16 when Bf16), row-major. 5-16 rows
+  // (Bf16 only): 16 rows of query pairs (bf16(s Q_i,2p), bf16(s Q_i,2p+1)), zero past the
+  // queries and d, with a row stride of ceil(d / 2) pairs (vdpbf16ps form) or of whole 16-pair
+  // d-tiles (AMX form: a row of a tile is 32 bf16).
+  const bool wide = !amx && n > kFusedDecodeMaxRows, pairs = wide || amx;
+  const Index dp = (d + 1) / 2, qs = amx ? round_up(d, 32) / 2 : dp;
+  std::vector<float> q(pairs ? 0 : static_cast<std::size_t>(n * d));
+  std::vector<std::uint32_t> qp(pairs ? static_cast<std::size_t>(kFusedDecodeWideRows * qs) : 0,
+                                0u);
   for (Index i = 0; i < n; ++i)
     for (Index c = 0; c < d; ++c) {
-      if (wide)
-        qp[static_cast<std::size_t>(i * dp + c / 2)] |= std::uint32_t(to_bf16(Q(i, c), scale))
+      if (pairs)
+        qp[static_cast<std::size_t>(i * qs + c / 2)] |= std::uint32_t(to_bf16(Q(i, c), scale))
                                                         << (16 * (c % 2));
       else
         q[static_cast<std::size_t>(i * d + c)] =
@@ -486,16 +697,21 @@ bool fused_decode_run(const Eigen::Ref<const Matrix<In>>& Q, const Eigen::Ref<co
   std::vector<Matrix<float>> part_acc(static_cast<std::size_t>(splits), Matrix<float>(n, dv));
   std::vector<char> finite(static_cast<std::size_t>(splits), 1);
   parallel_for(
-      splits, [&] { return FusedDecodeState(dv, wide); },
+      splits, [&] { return FusedDecodeState(dv, wide, amx ? d : 0); },
       [&](Index sp, FusedDecodeState& st) {
         const Index k0 = sp == 0 ? 0 : m * sp / splits / 32 * 32;
         const Index k1 = sp + 1 == splits ? m : m * (sp + 1) / splits / 32 * 32;
         st.reset();
         bool ok = true;
         if constexpr (Bf16) {
-          if (wide) ok = fused_decode_keys_wide<In>(P, qp.data(), k0, k1, st);
+          if (amx) {
+            const AmxTileScope tiles;
+            ok = fused_decode_keys_amx<In>(P, qp.data(), n, k0, k1, st);
+          } else if (wide) {
+            ok = fused_decode_keys_wide<In>(P, qp.data(), k0, k1, st);
+          }
         }
-        if (!wide) switch (n) {
+        if (!wide && !amx) switch (n) {
             case 1:
               ok = fused_decode_keys<Bf16, 1>(P, k0, k1, st);
               break;
@@ -513,7 +729,7 @@ bool fused_decode_run(const Eigen::Ref<const Matrix<In>>& Q, const Eigen::Ref<co
           part_m(i, sp) = st.m[i];
           part_l(i, sp) = st.l[i];
         }
-        part_acc[static_cast<std::size_t>(sp)] = st.acc.topRows(n);
+        part_acc[static_cast<std::size_t>(sp)] = st.acc.topLeftCorner(n, dv);
         finite[static_cast<std::size_t>(sp)] = ok ? 1 : 0;
       });
   out.resize(n, dv);
