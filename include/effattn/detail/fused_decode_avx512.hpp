@@ -488,6 +488,33 @@ EFFATTN_TARGET_AVX512BF16 inline __m512i decode_column_pairs_cvt(const Eigen::bf
   return decode_column_pairs(x, y, k);
 }
 
+/// Transposes the 16 x 16 matrix of 32-bit lanes r[i] (row i) in place: r[k] lane i becomes the
+/// old r[i] lane k. 64 shuffles (unpacks within 128-bit lanes, then 128-bit lane shuffles).
+EFFATTN_TARGET_AVX512F inline void transpose16_epi32(__m512i r[16]) noexcept {
+  __m512i a[16], b[16];
+  for (int j = 0; j < 8; ++j) {
+    a[2 * j] = _mm512_unpacklo_epi32(r[2 * j], r[2 * j + 1]);
+    a[2 * j + 1] = _mm512_unpackhi_epi32(r[2 * j], r[2 * j + 1]);
+  }
+  // b[4 j + e], 128-bit lane L: rows 4 j .. 4 j + 3 of column 4 L + e.
+  for (int j = 0; j < 4; ++j) {
+    b[4 * j] = _mm512_unpacklo_epi64(a[4 * j], a[4 * j + 2]);
+    b[4 * j + 1] = _mm512_unpackhi_epi64(a[4 * j], a[4 * j + 2]);
+    b[4 * j + 2] = _mm512_unpacklo_epi64(a[4 * j + 1], a[4 * j + 3]);
+    b[4 * j + 3] = _mm512_unpackhi_epi64(a[4 * j + 1], a[4 * j + 3]);
+  }
+  for (int e = 0; e < 4; ++e) {
+    const __m512i x0 = _mm512_shuffle_i32x4(b[e], b[4 + e], 0x88),
+                  x1 = _mm512_shuffle_i32x4(b[e], b[4 + e], 0xDD),
+                  y0 = _mm512_shuffle_i32x4(b[8 + e], b[12 + e], 0x88),
+                  y1 = _mm512_shuffle_i32x4(b[8 + e], b[12 + e], 0xDD);
+    r[e] = _mm512_shuffle_i32x4(x0, y0, 0x88);
+    r[4 + e] = _mm512_shuffle_i32x4(x1, y1, 0x88);
+    r[8 + e] = _mm512_shuffle_i32x4(x0, y0, 0xDD);
+    r[12 + e] = _mm512_shuffle_i32x4(x1, y1, 0xDD);
+  }
+}
+
 /// The AMX form of `fused_decode_keys` (bf16 arithmetic, `rows` = 1 to 16 queries; the caller
 /// holds an `AmxTileScope`): per 512-key block,
 /// - K, column pair by column pair (two contiguous segments), rounded into `tdpbf16ps` B tiles
@@ -517,7 +544,6 @@ EFFATTN_TARGET_AMX bool fused_decode_keys_amx(const FusedDecodeProblem<In>& P,
   std::uint32_t* vb = st.vb.data();
   std::uint32_t* pt = st.pt.data();
   __mmask16 bad = 0;
-  alignas(64) std::uint32_t tr[R * 16];
   for (Index j0 = k0; j0 < k1; j0 += B) {
     const Index cnt = std::min(B, k1 - j0), chunks = (cnt + 15) / 16, c32 = (cnt + 31) / 32;
     const Index next = std::min(B, std::max<Index>(0, k1 - j0 - B));
@@ -579,18 +605,21 @@ EFFATTN_TARGET_AMX bool fused_decode_keys_amx(const FusedDecodeProblem<In>& P,
     }
     EFFATTN_TILE_MEMORY_BARRIER();
     decode_block_softmax<R, false>(P, j0, cnt, chunks, st, bad, rows);
-    // P^T: row i's 32-key chunk t as 16 pairs, transposed into the tile (k, i).
+    // P^T: row i's 32-key chunk t as 16 pairs (zero past `rows`), transposed into the tile
+    // (k, i).
     for (Index t = 0; t < c32; ++t) {
-      for (Index i = 0; i < rows; ++i) {
+      __m512i r[16];
+      const __mmask16 lo = lanes_below(cnt - 32 * t), hi = lanes_below(cnt - 32 * t - 16);
+      EFFATTN_UNROLL16
+      for (Index i = 0; i < 16; ++i) {
         const float* si = s + i * B + 32 * t;
-        _mm512_store_si512(tr + i * 16,
-                           (__m512i)_mm512_cvtne2ps_pbh(
-                               _mm512_maskz_loadu_ps(lanes_below(cnt - 32 * t - 16), si + 16),
-                               _mm512_maskz_loadu_ps(lanes_below(cnt - 32 * t), si)));
+        r[i] = i < rows ? (__m512i)_mm512_cvtne2ps_pbh(_mm512_maskz_loadu_ps(hi, si + 16),
+                                                       _mm512_maskz_loadu_ps(lo, si))
+                        : _mm512_setzero_si512();
       }
-      std::uint32_t* dst = pt + t * 256;
-      for (Index k = 0; k < 16; ++k)
-        for (Index i = 0; i < rows; ++i) dst[k * 16 + i] = tr[i * 16 + k];
+      transpose16_epi32(r);
+      EFFATTN_UNROLL16
+      for (Index k = 0; k < 16; ++k) _mm512_storeu_si512(pt + t * 256 + k * 16, r[k]);
     }
     // acc^T += V^T P^T, NG groups of 16 value columns at a time (the rows of a partial last
     // group are stale values that only reach acc's padding columns).
