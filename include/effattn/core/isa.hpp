@@ -36,6 +36,9 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 #endif
+/// Target attribute of the AVX-512 helpers and fp32 kernels: AVX512F/BW/VL, which every CPU with
+/// AVX512-BF16 has (`detected_isa()` checks them before any of it runs).
+#define EFFATTN_TARGET_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl")))
 #else
 /// 0: the x86 bf16 kernels are not compiled in (not x86-64, an older compiler, or
 /// `EFFATTN_NO_BF16_ISA`); TiledBf16 runs the generic path.

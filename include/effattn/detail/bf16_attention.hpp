@@ -28,19 +28,21 @@
 namespace effattn {
 namespace detail {
 
+/// The most queries of a decoding call (one query block): the fused kernel on the x86 paths
+/// (`kFusedDecodeWideRows` rows), `StreamingBf16Kernel` on the generic path.
+constexpr Index kBf16StreamingMaxQueries = 16;
+
 /// Whether `tiled_attention_bf16` runs the fused decoding kernel (`fused_decode_run`, x86 paths,
 /// at most `kFusedDecodeWideRows` queries in one block) for n queries with `plan` on path `isa`.
 inline bool bf16_decode_fused(Index n, const TilePlan& plan, Isa isa) noexcept {
 #if EFFATTN_BF16_X86
-  return isa != Isa::Generic && n <= kFusedDecodeWideRows && plan.q_blocks == 1;
+  static_assert(kFusedDecodeWideRows == kBf16StreamingMaxQueries, "one bound for decoding calls");
+  return isa != Isa::Generic && n <= kBf16StreamingMaxQueries && plan.q_blocks == 1;
 #else
   (void)n, (void)plan, (void)isa;
   return false;
 #endif
 }
-
-/// The most queries for which `StreamingBf16Kernel` is used (decoding).
-constexpr Index kBf16StreamingMaxQueries = 16;
 
 /// The tile plan of the bf16 kernels: as `plan_tiles`, with block sizes that are multiples of 32
 /// (a user's `block_q` / `block_k` is rounded up; a block covering all rows or keys may be
@@ -156,7 +158,6 @@ struct StreamingBf16Kernel {
   const Eigen::Ref<const Matrix<In>>& K;
   const Eigen::Ref<const Matrix<In>>& V;
   const Matrix<float>& q;  ///< bf16-rounded scale Q
-  bool simd;               ///< round with AVX512F (a path above generic was selected)
   Index acc_cols() const { return V.cols(); }
   Bf16Workspace workspace(Index bq_pad, Index bk_pad) const {
     return Bf16Workspace(bq_pad, bk_pad, acc_cols(), K.cols(), V.cols());
@@ -167,13 +168,13 @@ struct StreamingBf16Kernel {
   }
   void scores(Index i0, Index rows, Index j0, Index cols, Bf16Workspace& ws) const {
     for (Index c = 0; c < K.cols(); ++c)
-      round_floats(K.data() + c * K.outerStride() + j0, cols, ws.k_tile.col(c).data(), simd);
+      round_floats(K.data() + c * K.outerStride() + j0, cols, ws.k_tile.col(c).data());
     ws.t.s.topLeftCorner(rows, cols).noalias() =
         q.middleRows(i0, rows) * ws.k_tile.topRows(cols).transpose();
   }
   void accumulate(Index rows, Index j0, Index cols, Bf16Workspace& ws) const {
     for (Index c = 0; c < V.cols(); ++c)
-      round_floats(V.data() + c * V.outerStride() + j0, cols, ws.v_tile.col(c).data(), simd);
+      round_floats(V.data() + c * V.outerStride() + j0, cols, ws.v_tile.col(c).data());
     round_tile_to_bf16(ws.t.s.data(), ws.t.s.rows(), rows, cols);
     ws.acc.topRows(rows).noalias() += ws.t.s.topLeftCorner(rows, cols) * ws.v_tile.topRows(cols);
   }
@@ -274,8 +275,7 @@ bool tiled_attention_bf16(const Eigen::Ref<const Matrix<In>>& Q,
     Matrix<float> q(n, Q.cols());
     for (Index c = 0; c < Q.cols(); ++c)
       for (Index i = 0; i < n; ++i) q(i, c) = rounded_float(Q(i, c), scale);
-    bf16_attention_run(StreamingBf16Kernel<In>{K, V, q, isa != Isa::Generic}, n, m, dv, bias,
-                       causal, plan, out, lse);
+    bf16_attention_run(StreamingBf16Kernel<In>{K, V, q}, n, m, dv, bias, causal, plan, out, lse);
     return true;
   }
 #if EFFATTN_BF16_X86

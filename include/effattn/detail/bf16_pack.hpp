@@ -16,12 +16,6 @@
 #include "../core/parallel.hpp"
 #include "../core/types.hpp"
 
-#if EFFATTN_BF16_X86
-/// Target attribute of the AVX-512 helpers (packing, rounding): AVX512F/BW/VL, which every CPU
-/// with AVX512-BF16 has (`detected_isa()` checks them).
-#define EFFATTN_TARGET_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl")))
-#endif
-
 namespace effattn {
 namespace detail {
 
@@ -79,18 +73,30 @@ EFFATTN_TARGET_AVX512 inline __m512i sll16(__m512i x) noexcept {
   return _mm512_maskz_slli_epi32(__mmask16(0xFFFF), x, 16);
 }
 
+/// The float bit patterns u with the bf16 rounding (nearest, ties to even) added: the high 16
+/// bits of each lane are the rounded bf16 (the low 16 bits are garbage). No NaN inputs (a NaN
+/// may round to an infinity, which the callers' finiteness checks treat alike).
+EFFATTN_TARGET_AVX512 inline __m512i bf16_round_bits(__m512i u) noexcept {
+  return _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF),
+                                              _mm512_and_si512(srl16(u), _mm512_set1_epi32(1))));
+}
+
+/// x rounded to bf16 (nearest even) and widened back to fp32, 16 lanes.
+EFFATTN_TARGET_AVX512 inline __m512 bf16_round16(__m512 x) noexcept {
+  return _mm512_castsi512_ps(_mm512_and_si512(bf16_round_bits(_mm512_castps_si512(x)),
+                                              _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
+}
+
 /// `convert_bf16` for float with AVX512F, 16 values per step (masked tail). Used only by the x86
 /// kernels' packing, which runs after `detected_isa()` found AVX-512.
 EFFATTN_TARGET_AVX512 inline void convert_bf16(const float* src, Index count, float scale,
                                                std::uint16_t* dst) noexcept {
   const __m512 sc = _mm512_set1_ps(scale);
-  const __m512i bias = _mm512_set1_epi32(0x7FFF), one = _mm512_set1_epi32(1);
   for (Index i = 0; i < count; i += 16) {
     const Index left = count - i;
     const __mmask16 k = left >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1u);
     const __m512i u = _mm512_castps_si512(_mm512_mul_ps(_mm512_maskz_loadu_ps(k, src + i), sc));
-    const __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(bias, _mm512_and_si512(srl16(u), one)));
-    _mm512_mask_cvtepi32_storeu_epi16(dst + i, k, srl16(r));
+    _mm512_mask_cvtepi32_storeu_epi16(dst + i, k, srl16(bf16_round_bits(u)));
   }
 }
 #endif
@@ -165,35 +171,10 @@ void round_to_bf16_floats(const Eigen::Ref<const Matrix<In>>& Q,
 }
 
 /// dst[i] = src[i] rounded to bf16 and widened back to float, for i < count (contiguous).
-/// `simd`: use AVX512F for float inputs (only when a path above generic was selected).
 template <typename In>
-void round_floats(const In* src, Index count, float* dst, bool /*simd*/) noexcept {
+void round_floats(const In* src, Index count, float* dst) noexcept {
   for (Index i = 0; i < count; ++i) dst[i] = rounded_float(src[i], 1.0f);
 }
-
-#if EFFATTN_BF16_X86
-/// `round_floats` for float with AVX512F (16 values per step, masked tail).
-EFFATTN_TARGET_AVX512 inline void round_floats_avx512(const float* src, Index count,
-                                                      float* dst) noexcept {
-  const __m512i bias = _mm512_set1_epi32(0x7FFF), one = _mm512_set1_epi32(1);
-  const __m512i high = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
-  for (Index i = 0; i < count; i += 16) {
-    const Index left = count - i;
-    const __mmask16 k = left >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1u);
-    const __m512i u = _mm512_maskz_loadu_epi32(k, src + i);
-    const __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(bias, _mm512_and_si512(srl16(u), one)));
-    _mm512_mask_storeu_epi32(dst + i, k, _mm512_and_si512(r, high));
-  }
-}
-
-inline void round_floats(const float* src, Index count, float* dst, bool simd) noexcept {
-  if (simd) {
-    round_floats_avx512(src, count, dst);
-    return;
-  }
-  for (Index i = 0; i < count; ++i) dst[i] = rounded_float(src[i], 1.0f);
-}
-#endif
 
 /// Rounds the probabilities P (the first `rows` x `cols` of a column-major tile with leading
 /// dimension `ld`) to bf16 in place (generic path).
@@ -206,12 +187,8 @@ inline void round_tile_to_bf16(float* s, Index ld, Index rows, Index cols) noexc
 /// 16 VNNI pairs from two fp32 vectors: pair i = (bf16(a_i), bf16(b_i)) in one 32-bit lane
 /// (a in the low half), both rounded to nearest even. No NaN inputs.
 EFFATTN_TARGET_AVX512 inline __m512i bf16_vnni_pairs(__m512 a, __m512 b) noexcept {
-  const __m512i bias = _mm512_set1_epi32(0x7FFF), one = _mm512_set1_epi32(1);
-  const __m512i ua = _mm512_castps_si512(a), ub = _mm512_castps_si512(b);
-  const __m512i ra = _mm512_add_epi32(ua, _mm512_add_epi32(bias, _mm512_and_si512(srl16(ua), one)));
-  const __m512i rb = _mm512_add_epi32(ub, _mm512_add_epi32(bias, _mm512_and_si512(srl16(ub), one)));
-  return _mm512_or_si512(srl16(ra),
-                         _mm512_and_si512(rb, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
+  return _mm512_or_si512(srl16(bf16_round_bits(_mm512_castps_si512(a))),
+                         _mm512_castps_si512(bf16_round16(b)));
 }
 
 /// Rounds the probabilities P of a column-major fp32 tile (leading dimension `ld`, `rows` a

@@ -39,10 +39,6 @@
 
 #if EFFATTN_BF16_X86
 
-/// Target attribute of the fp32 AVX-512 kernels (the CPUID checks of `detected_isa()` cover
-/// AVX512F, BW and VL).
-#define EFFATTN_TARGET_AVX512F __attribute__((target("avx512f,avx512bw,avx512vl")))
-
 namespace effattn {
 namespace detail {
 
@@ -62,7 +58,7 @@ inline bool decode_avx512_usable(Index d, Index dv) noexcept {
 constexpr __mmask16 kDecodeAll = 0xFFFF;
 
 /// Sum of the 16 lanes (256-bit halves, 128-bit pairs, then 64- and 32-bit elements folded).
-EFFATTN_TARGET_AVX512F inline float decode_hsum16(__m512 x) noexcept {
+EFFATTN_TARGET_AVX512 inline float decode_hsum16(__m512 x) noexcept {
   x = _mm512_add_ps(x, _mm512_maskz_shuffle_f32x4(kDecodeAll, x, x, 0x4E));
   x = _mm512_add_ps(x, _mm512_maskz_shuffle_f32x4(kDecodeAll, x, x, 0xB1));
   x = _mm512_add_ps(x, _mm512_maskz_shuffle_ps(kDecodeAll, x, x, _MM_SHUFFLE(1, 0, 3, 2)));
@@ -71,7 +67,7 @@ EFFATTN_TARGET_AVX512F inline float decode_hsum16(__m512 x) noexcept {
 }
 
 /// Maximum of the 16 lanes (the same folding).
-EFFATTN_TARGET_AVX512F inline float decode_hmax16(__m512 x) noexcept {
+EFFATTN_TARGET_AVX512 inline float decode_hmax16(__m512 x) noexcept {
   x = _mm512_maskz_max_ps(kDecodeAll, x, _mm512_maskz_shuffle_f32x4(kDecodeAll, x, x, 0x4E));
   x = _mm512_maskz_max_ps(kDecodeAll, x, _mm512_maskz_shuffle_f32x4(kDecodeAll, x, x, 0xB1));
   x = _mm512_maskz_max_ps(kDecodeAll, x,
@@ -82,7 +78,7 @@ EFFATTN_TARGET_AVX512F inline float decode_hmax16(__m512 x) noexcept {
 }
 
 /// e^x for 16 lanes (see the file documentation); lanes below -87.3 give 0.
-EFFATTN_TARGET_AVX512F inline __m512 decode_exp16(__m512 x) noexcept {
+EFFATTN_TARGET_AVX512 inline __m512 decode_exp16(__m512 x) noexcept {
   const __m512 lo = _mm512_set1_ps(-87.3f);
   const __mmask16 under = _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ);
   x = _mm512_maskz_max_ps(kDecodeAll, x, lo);
@@ -103,7 +99,7 @@ EFFATTN_TARGET_AVX512F inline __m512 decode_exp16(__m512 x) noexcept {
 
 /// The 16 sums of the accumulators c[4 k + q] (row q, key k of a 4 x 4 block) in one vector,
 /// lane 4 q + k: pairs of vectors are folded by 128-bit lanes, then by 64- and 32-bit elements.
-EFFATTN_TARGET_AVX512F inline __m512 decode_reduce16(const __m512* c) noexcept {
+EFFATTN_TARGET_AVX512 inline __m512 decode_reduce16(const __m512* c) noexcept {
   __m512 x[8], y[4], z[2];
   for (int i = 0; i < 8; ++i)  // [a.l0 + a.l2, a.l1 + a.l3, b.l0 + b.l2, b.l1 + b.l3]
     x[i] = _mm512_add_ps(_mm512_maskz_shuffle_f32x4(kDecodeAll, c[2 * i], c[2 * i + 1], 0x44),
@@ -122,9 +118,9 @@ EFFATTN_TARGET_AVX512F inline __m512 decode_reduce16(const __m512* c) noexcept {
 /// acc[q][0, U 16) += sum_k p[q][k] v_k[0, U 16) for NR rows over `cols` keys (U 16-lane chunks
 /// per pass: NR x U accumulators).
 template <int NR, int U>
-EFFATTN_TARGET_AVX512F inline void decode_accumulate(const float (*p)[16], const float* const* vp,
-                                                     Index cols, Index x,
-                                                     float* const* acc) noexcept {
+EFFATTN_TARGET_AVX512 inline void decode_accumulate(const float (*p)[16], const float* const* vp,
+                                                    Index cols, Index x,
+                                                    float* const* acc) noexcept {
   __m512 a[NR][U];
   EFFATTN_UNROLL8
   for (int q = 0; q < NR; ++q) EFFATTN_UNROLL8
@@ -151,10 +147,10 @@ EFFATTN_TARGET_AVX512F inline void decode_accumulate(const float (*p)[16], const
 /// dv columns), updated in place with the lazy maximum of the file documentation.
 /// \returns false if a score of the `cols` keys was not finite.
 template <int NR>
-EFFATTN_TARGET_AVX512F inline bool decode_rows16(const float* q, Index ldq, Index d,
-                                                 const float* const* kp, const float* const* vp,
-                                                 Index cols, Index dv, float* m, double* l,
-                                                 float* const* acc) noexcept {
+EFFATTN_TARGET_AVX512 inline bool decode_rows16(const float* q, Index ldq, Index d,
+                                                const float* const* kp, const float* const* vp,
+                                                Index cols, Index dv, float* m, double* l,
+                                                float* const* acc) noexcept {
   static_assert(NR >= 1 && NR <= 4, "1 to 4 rows");
   __m512 blk[4];
   for (int b = 0; b < 4; ++b) {

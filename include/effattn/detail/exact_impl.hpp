@@ -68,6 +68,24 @@ void check_exact_inputs(const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<
                     Q.rows(), ", m = ", K.rows()));
 }
 
+/// Fills r's block sizes and info after a tiled call with `plan`. `deferred`: K and V were not
+/// scanned before the call (the fused decoding kernel checks them as it reads them); when then a
+/// raw score (`scores_finite` false) or the output is not finite, they are scanned now, so that
+/// the same `invalid_argument` as from the up-front check is thrown.
+template <typename DK, typename DV>
+void finish_tiled_result(const TilePlan& plan, bool deferred, bool scores_finite,
+                         const Eigen::MatrixBase<DK>& K, const Eigen::MatrixBase<DV>& V,
+                         ExactResult<float>& r) {
+  r.block_q = plan.bq;
+  r.block_k = plan.bk;
+  r.kv_splits = plan.kv_splits;
+  r.info = all_finite(r.output) && all_finite(r.lse) ? Info::Success : Info::NumericalIssue;
+  if (deferred && (!scores_finite || r.info != Info::Success)) {
+    check_finite(K, "K");
+    check_finite(V, "V");
+  }
+}
+
 /// The TiledBf16 kernel on the path `selected_isa()` for inputs of scalar In (float or
 /// Eigen::bfloat16): validates them (`method` names the caller), fills r's output, lse, block
 /// sizes and info. When the fused decoding kernel runs (`bf16_decode_fused`), K and V are not
@@ -93,14 +111,8 @@ void exact_bf16(const Eigen::Ref<const Matrix<In>>& Q, const Eigen::Ref<const Ma
       plan_bf16_tiles(Q.rows(), K.rows(), Q.cols(), V.cols(), opts.block_q, opts.block_k);
   const bool scores_finite = tiled_attention_bf16<In>(Q, K, V, bias, static_cast<float>(scale),
                                                       opts.causal, plan, isa, r.output, r.lse);
-  r.block_q = plan.bq;
-  r.block_k = plan.bk;
-  r.kv_splits = plan.kv_splits;
-  r.info = all_finite(r.output) && all_finite(r.lse) ? Info::Success : Info::NumericalIssue;
-  if (deferred && (!scores_finite || r.info != Info::Success)) {
-    check_finite(K.template cast<float>(), "K");
-    check_finite(V.template cast<float>(), "V");
-  }
+  finish_tiled_result(plan, deferred, scores_finite, K.template cast<float>(),
+                      V.template cast<float>(), r);
 }
 
 /// fp32 Tiled decoding with the fused AVX-512 kernel (`fused_decode_run<false>`, 1 to
@@ -125,14 +137,7 @@ bool exact_fp32_decode(const ConstRef<float>& Q, const ConstRef<float>& K, const
   check_exact_inputs(Q, K, V, opts.causal, method, /*check_kv=*/false);
   const bool scores_finite = fused_decode_run<false, float>(
       Q, K, V, bias, static_cast<float>(scale), opts.causal, plan, r.output, r.lse);
-  r.block_q = plan.bq;
-  r.block_k = plan.bk;
-  r.kv_splits = plan.kv_splits;
-  r.info = all_finite(r.output) && all_finite(r.lse) ? Info::Success : Info::NumericalIssue;
-  if (!scores_finite || r.info != Info::Success) {
-    check_finite(K, "K");
-    check_finite(V, "V");
-  }
+  finish_tiled_result(plan, /*deferred=*/true, scores_finite, K, V, r);
   return true;
 #else
   (void)Q, (void)K, (void)V, (void)bias, (void)scale, (void)opts, (void)method, (void)r;

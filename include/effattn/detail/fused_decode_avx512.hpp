@@ -79,21 +79,12 @@ constexpr Index kAmxVStride = kFusedDecodeBlock / 32 + 1;
 /// Value-column groups of 16 whose tile products run together in the AMX form.
 constexpr Index kAmxValueGroups = 4;
 
-/// x rounded to bf16 (nearest even) and widened back to fp32, 16 lanes; no NaN inputs.
-EFFATTN_TARGET_AVX512F inline __m512 bf16_round16(__m512 x) noexcept {
-  const __m512i u = _mm512_castps_si512(x);
-  const __m512i r =
-      _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF),
-                                           _mm512_and_si512(srl16(u), _mm512_set1_epi32(1))));
-  return _mm512_castsi512_ps(_mm512_and_si512(r, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
-}
-
 /// 16 values of a column (lanes outside `k` zero) as bf16 values in fp32: float inputs rounded,
 /// bf16 inputs widened.
-EFFATTN_TARGET_AVX512F inline __m512 load16_bf16(const float* p, __mmask16 k) noexcept {
+EFFATTN_TARGET_AVX512 inline __m512 load16_bf16(const float* p, __mmask16 k) noexcept {
   return bf16_round16(_mm512_maskz_loadu_ps(k, p));
 }
-EFFATTN_TARGET_AVX512F inline __m512 load16_bf16(const Eigen::bfloat16* p, __mmask16 k) noexcept {
+EFFATTN_TARGET_AVX512 inline __m512 load16_bf16(const Eigen::bfloat16* p, __mmask16 k) noexcept {
   const __m256i h = _mm256_maskz_loadu_epi16(k, p);
   return _mm512_castsi512_ps(sll16(_mm512_maskz_cvtepu16_epi32(kDecodeAll, h)));
 }
@@ -102,6 +93,20 @@ EFFATTN_TARGET_AVX512F inline __m512 load16_bf16(const Eigen::bfloat16* p, __mma
 inline __mmask16 lanes_below(Index count) noexcept {
   return count >= 16 ? kDecodeAll : count <= 0 ? __mmask16(0) : __mmask16((1u << count) - 1u);
 }
+
+/// The keys of the block at j0 of the key range [.., k1): `cnt` keys in `chunks` 16-key chunks
+/// (`c32` 32-key chunks), the lanes of the last 16-key chunk (`tail`) and the keys of the next
+/// block (`next`, 0 at the end; its K columns are prefetched).
+struct DecodeBlock {
+  Index cnt, chunks, c32, next;
+  __mmask16 tail;
+  DecodeBlock(Index j0, Index k1, Index block) noexcept
+      : cnt(std::min(block, k1 - j0)),
+        chunks((cnt + 15) / 16),
+        c32((cnt + 31) / 32),
+        next(std::min(block, std::max<Index>(0, k1 - j0 - block))),
+        tail(lanes_below(cnt - 16 * (chunks - 1))) {}
+};
 
 /// One decoding problem: the scaled queries and the column-major inputs.
 template <typename In>
@@ -150,7 +155,7 @@ struct FusedDecodeState {
 /// Prefetches (into L2) the 16-value chunk `ch` of the column segment at `p` (null: none) when
 /// it lies within the segment's first `valid` values.
 template <typename In>
-EFFATTN_TARGET_AVX512F inline void prefetch_chunk(const In* p, Index ch, Index valid) noexcept {
+EFFATTN_TARGET_AVX512 inline void prefetch_chunk(const In* p, Index ch, Index valid) noexcept {
   if (p != nullptr && ch * 16 < valid)
     _mm_prefetch(reinterpret_cast<const char*>(p + ch * 16), _MM_HINT_T1);
 }
@@ -173,20 +178,27 @@ inline const In* decode_segment(const FusedDecodeProblem<In>& P, Index t, Index 
 /// 16 values of a column (lanes outside `k` zero): rounded to bf16 when `Bf16`, as they are
 /// otherwise (float inputs only).
 template <bool Bf16, typename In>
-EFFATTN_TARGET_AVX512F inline __m512 load16_values(const In* p, __mmask16 k) noexcept {
+EFFATTN_TARGET_AVX512 inline __m512 load16_values(const In* p, __mmask16 k) noexcept {
   if constexpr (Bf16)
     return load16_bf16(p, k);
   else
     return _mm512_maskz_loadu_ps(k, p);
 }
 
+/// Zeroes the first `chunks` 16-key chunks of the score rows 0 .. rows - 1 (row i at s + i B).
+EFFATTN_TARGET_AVX512 inline void clear_scores(float* s, Index rows, Index chunks) noexcept {
+  for (Index i = 0; i < rows; ++i)
+    for (Index ch = 0; ch < chunks; ++ch)
+      _mm512_storeu_ps(s + i * kFusedDecodeBlock + ch * 16, _mm512_setzero_ps());
+}
+
 /// Scores of the block at j0 from key columns [c, c + G): s_i += sum_g q_i,c+g K[., c + g] for
 /// the NR rows (column i of s, `chunks` 16-key chunks, the last one `tail`), each row's chunk
 /// loaded and stored once per G columns; prefetches the segments `kFusedDecodePrefetch` ahead.
 template <bool Bf16, int NR, int G, typename In>
-EFFATTN_TARGET_AVX512F inline void decode_key_columns(const FusedDecodeProblem<In>& P, Index c,
-                                                      Index j0, Index cnt, Index next, Index chunks,
-                                                      __mmask16 tail, float* s) {
+EFFATTN_TARGET_AVX512 inline void decode_key_columns(const FusedDecodeProblem<In>& P, Index c,
+                                                     Index j0, Index cnt, Index next, Index chunks,
+                                                     __mmask16 tail, float* s) {
   constexpr Index B = kFusedDecodeBlock;
   const In* kc[G];
   const In* pf[G];
@@ -221,10 +233,10 @@ EFFATTN_TARGET_AVX512F inline void decode_key_columns(const FusedDecodeProblem<I
 /// block's sum of exp(s - m) to st.l and leaves P = exp(s - m) in st.s, rounded to bf16 when
 /// `RoundP`, 0 for hidden keys and the lanes past the block.
 template <int NR, bool RoundP, typename In>
-EFFATTN_TARGET_AVX512F inline void decode_block_softmax(const FusedDecodeProblem<In>& P, Index j0,
-                                                        Index cnt, Index chunks,
-                                                        FusedDecodeState& st, __mmask16& bad,
-                                                        Index rows = NR) {
+EFFATTN_TARGET_AVX512 inline void decode_block_softmax(const FusedDecodeProblem<In>& P, Index j0,
+                                                       Index cnt, Index chunks,
+                                                       FusedDecodeState& st, __mmask16& bad,
+                                                       Index rows = NR) {
   constexpr Index B = kFusedDecodeBlock;
   constexpr float ninf = -std::numeric_limits<float>::infinity();
   float* s = st.s.data();
@@ -269,8 +281,8 @@ EFFATTN_TARGET_AVX512F inline void decode_block_softmax(const FusedDecodeProblem
 /// finite queries, a non-finite key (the caller does not scan K beforehand). `Bf16`: K, V and P
 /// rounded to bf16 (the TiledBf16 arithmetic); otherwise fp32 throughout.
 template <bool Bf16, int NR, typename In>
-EFFATTN_TARGET_AVX512F bool fused_decode_keys(const FusedDecodeProblem<In>& P, Index k0, Index k1,
-                                              FusedDecodeState& st) {
+EFFATTN_TARGET_AVX512 bool fused_decode_keys(const FusedDecodeProblem<In>& P, Index k0, Index k1,
+                                             FusedDecodeState& st) {
   constexpr Index B = kFusedDecodeBlock, PF = kFusedDecodePrefetch;
   constexpr int U = NR == 1 ? 4 : 2;  // independent partial sums per row in the value pass
   const Index d = P.d, dv = P.dv;
@@ -278,13 +290,11 @@ EFFATTN_TARGET_AVX512F bool fused_decode_keys(const FusedDecodeProblem<In>& P, I
   float* acc = st.acc.data();
   __mmask16 bad = 0;
   for (Index j0 = k0; j0 < k1; j0 += B) {
-    const Index cnt = std::min(B, k1 - j0), chunks = (cnt + 15) / 16;
-    const Index next = std::min(B, std::max<Index>(0, k1 - j0 - B));  // keys of the next block
-    const __mmask16 tail = lanes_below(cnt - 16 * (chunks - 1));
+    const DecodeBlock blk(j0, k1, B);
+    const Index cnt = blk.cnt, chunks = blk.chunks, next = blk.next;
+    const __mmask16 tail = blk.tail;
     // Scores: s_i = q_i K_block^T, column segment by column segment.
-    for (int i = 0; i < NR; ++i)
-      for (Index ch = 0; ch < chunks; ++ch)
-        _mm512_storeu_ps(s + i * B + ch * 16, _mm512_setzero_ps());
+    clear_scores(s, NR, chunks);
     // Four columns (four contiguous streams) per pass over the scores.
     Index kc = 0;
     for (; kc + 4 <= d; kc += 4)
@@ -327,14 +337,14 @@ EFFATTN_TARGET_AVX512F bool fused_decode_keys(const FusedDecodeProblem<In>& P, I
 
 /// 16 bf16 pairs (x_k, y_k) in 32-bit lanes (x in the low half) from two key columns (lanes
 /// outside `k` zero, y null: zeros): floats rounded to nearest even, bf16 widened.
-EFFATTN_TARGET_AVX512F inline __m512i decode_column_pairs(const float* x, const float* y,
-                                                          __mmask16 k) noexcept {
+EFFATTN_TARGET_AVX512 inline __m512i decode_column_pairs(const float* x, const float* y,
+                                                         __mmask16 k) noexcept {
   return bf16_vnni_pairs(_mm512_maskz_loadu_ps(k, x),
                          y != nullptr ? _mm512_maskz_loadu_ps(k, y) : _mm512_setzero_ps());
 }
-EFFATTN_TARGET_AVX512F inline __m512i decode_column_pairs(const Eigen::bfloat16* x,
-                                                          const Eigen::bfloat16* y,
-                                                          __mmask16 k) noexcept {
+EFFATTN_TARGET_AVX512 inline __m512i decode_column_pairs(const Eigen::bfloat16* x,
+                                                         const Eigen::bfloat16* y,
+                                                         __mmask16 k) noexcept {
   const __m512i lo = _mm512_maskz_cvtepu16_epi32(kDecodeAll, _mm256_maskz_loadu_epi16(k, x));
   if (y == nullptr) return lo;
   return _mm512_or_si512(
@@ -420,12 +430,10 @@ EFFATTN_TARGET_AVX512BF16 bool fused_decode_keys_wide(const FusedDecodeProblem<I
   std::uint32_t* pp = st.pp.data();
   __mmask16 bad = 0;
   for (Index j0 = k0; j0 < k1; j0 += B) {
-    const Index cnt = std::min(B, k1 - j0), chunks = (cnt + 15) / 16, c32 = (cnt + 31) / 32;
-    const Index next = std::min(B, std::max<Index>(0, k1 - j0 - B));
-    const __mmask16 tail = lanes_below(cnt - 16 * (chunks - 1));
-    for (int i = 0; i < NR; ++i)
-      for (Index ch = 0; ch < chunks; ++ch)
-        _mm512_storeu_ps(s + i * B + ch * 16, _mm512_setzero_ps());
+    const DecodeBlock blk(j0, k1, B);
+    const Index cnt = blk.cnt, chunks = blk.chunks, c32 = blk.c32, next = blk.next;
+    const __mmask16 tail = blk.tail;
+    clear_scores(s, NR, chunks);
     Index p = 0;
     for (; p + 4 <= dp; p += 4)
       decode_key_pairs_pass<4>(P, qp, dp, p, j0, cnt, next, chunks, tail, s);
@@ -490,7 +498,7 @@ EFFATTN_TARGET_AVX512BF16 inline __m512i decode_column_pairs_cvt(const Eigen::bf
 
 /// Transposes the 16 x 16 matrix of 32-bit lanes r[i] (row i) in place: r[k] lane i becomes the
 /// old r[i] lane k. 64 shuffles (unpacks within 128-bit lanes, then 128-bit lane shuffles).
-EFFATTN_TARGET_AVX512F inline void transpose16_epi32(__m512i r[16]) noexcept {
+EFFATTN_TARGET_AVX512 inline void transpose16_epi32(__m512i r[16]) noexcept {
   __m512i a[16], b[16];
   for (int j = 0; j < 8; ++j) {
     a[2 * j] = _mm512_unpacklo_epi32(r[2 * j], r[2 * j + 1]);
@@ -545,9 +553,9 @@ EFFATTN_TARGET_AMX bool fused_decode_keys_amx(const FusedDecodeProblem<In>& P,
   std::uint32_t* pt = st.pt.data();
   __mmask16 bad = 0;
   for (Index j0 = k0; j0 < k1; j0 += B) {
-    const Index cnt = std::min(B, k1 - j0), chunks = (cnt + 15) / 16, c32 = (cnt + 31) / 32;
-    const Index next = std::min(B, std::max<Index>(0, k1 - j0 - B));
-    const __mmask16 tail = lanes_below(cnt - 16 * (chunks - 1));
+    const DecodeBlock blk(j0, k1, B);
+    const Index cnt = blk.cnt, chunks = blk.chunks, c32 = blk.c32, next = blk.next;
+    const __mmask16 tail = blk.tail;
     // K into B tiles, pair of columns by pair of columns (the pairs past d stay zero).
     for (Index p = 0; p < dp; ++p) {
       const Index c = 2 * p;
