@@ -116,7 +116,7 @@ void exact_bf16(const Eigen::Ref<const Matrix<In>>& Q, const Eigen::Ref<const Ma
 }
 
 /// fp32 Tiled decoding with the fused AVX-512 kernel (`fused_decode_run<false>`, 1 to
-/// `kFusedDecodeMaxRows` queries in one block, an AVX-512 path selected): validates the inputs
+/// `kFusedDecodeFp32MaxRows` queries in one block, an AVX-512 path selected): validates the inputs
 /// (K and V as `exact_bf16` does: through the kernel's score check and the output), fills r and
 /// returns true; returns false, having done nothing, when the kernel does not apply. The Tiled
 /// kernel's GEMMs of 1-4 rows against a column-major K read 5-10% of the streaming-read rate
@@ -128,7 +128,7 @@ bool exact_fp32_decode(const ConstRef<float>& Q, const ConstRef<float>& K, const
                        const float* bias, double scale, const ExactOptions& opts,
                        const char* method, ExactResult<float>& r) {
 #if EFFATTN_BF16_X86
-  if (Q.rows() < 1 || Q.rows() > kFusedDecodeMaxRows || Q.cols() < 1 || K.rows() < 1 ||
+  if (Q.rows() < 1 || Q.rows() > kFusedDecodeFp32MaxRows || Q.cols() < 1 || K.rows() < 1 ||
       V.cols() < 1 || static_cast<int>(selected_isa()) < static_cast<int>(Isa::Avx512Bf16))
     return false;
   const TilePlan plan =

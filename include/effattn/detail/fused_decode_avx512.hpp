@@ -58,6 +58,9 @@ namespace detail {
 
 /// The most query rows of the FMA forms of the kernel (bf16 and fp32).
 constexpr Index kFusedDecodeMaxRows = 4;
+/// The most query rows of the fp32 form (FMA, instantiated for 1, 2, 4, 8 and 16 rows; a call
+/// with 3, 5-7 or 9-15 queries runs the next larger form with zero queries in the extra rows).
+constexpr Index kFusedDecodeFp32MaxRows = 16;
 /// The most query rows of the bf16 form, whose products are `vdpbf16ps` on bf16 pairs (5 to 16
 /// rows: 16 score rows per block, padded with zero queries).
 constexpr Index kFusedDecodeWideRows = 16;
@@ -284,7 +287,9 @@ template <bool Bf16, int NR, typename In>
 EFFATTN_TARGET_AVX512 bool fused_decode_keys(const FusedDecodeProblem<In>& P, Index k0, Index k1,
                                              FusedDecodeState& st) {
   constexpr Index B = kFusedDecodeBlock, PF = kFusedDecodePrefetch;
-  constexpr int U = NR == 1 ? 4 : 2;  // independent partial sums per row in the value pass
+  // Independent partial sums per row in the value pass (8 and 16 rows: one, to stay within the
+  // 32 vector registers).
+  constexpr int U = NR == 1 ? 4 : NR <= 4 ? 2 : 1;
   const Index d = P.d, dv = P.dv;
   float* s = st.s.data();
   float* acc = st.acc.data();
@@ -301,7 +306,7 @@ EFFATTN_TARGET_AVX512 bool fused_decode_keys(const FusedDecodeProblem<In>& P, In
       decode_key_columns<Bf16, NR, 4>(P, kc, j0, cnt, next, chunks, tail, s);
     for (; kc < d; ++kc) decode_key_columns<Bf16, NR, 1>(P, kc, j0, cnt, next, chunks, tail, s);
     // Softmax of the block: s_i becomes bf16(exp(s_i - m_i)), 0 for hidden or absent keys.
-    decode_block_softmax<NR, Bf16>(P, j0, cnt, chunks, st, bad);
+    decode_block_softmax<NR, Bf16>(P, j0, cnt, chunks, st, bad, P.rows);
     // Values: acc_i += p_i V_block, column segment by column segment.
     for (Index c = 0; c < dv; ++c) {
       const In* vc = P.V + c * P.ldv + j0;
@@ -702,9 +707,11 @@ bool fused_decode_run(const Eigen::Ref<const Matrix<In>>& Q, const Eigen::Ref<co
   // (Bf16 only): 16 rows of query pairs (bf16(s Q_i,2p), bf16(s Q_i,2p+1)), zero past the
   // queries and d, with a row stride of ceil(d / 2) pairs (vdpbf16ps form) or of whole 16-pair
   // d-tiles (AMX form: a row of a tile is 32 bf16).
-  const bool wide = !amx && n > kFusedDecodeMaxRows, pairs = wide || amx;
+  const bool wide = Bf16 && !amx && n > kFusedDecodeMaxRows, pairs = wide || amx;
+  // The rows of the FMA form that runs (the extra rows are zero queries).
+  const Index nr = n <= 2 ? n : n <= 4 ? 4 : n <= 8 ? 8 : 16;
   const Index dp = (d + 1) / 2, qs = amx ? round_up(d, 32) / 2 : dp;
-  std::vector<float> q(pairs ? 0 : static_cast<std::size_t>(n * d));
+  std::vector<float> q(pairs ? 0 : static_cast<std::size_t>(nr * d), 0.0f);
   std::vector<std::uint32_t> qp(pairs ? static_cast<std::size_t>(kFusedDecodeWideRows * qs) : 0,
                                 0u);
   for (Index i = 0; i < n; ++i)
@@ -748,18 +755,23 @@ bool fused_decode_run(const Eigen::Ref<const Matrix<In>>& Q, const Eigen::Ref<co
             ok = fused_decode_keys_wide<In>(P, qp.data(), k0, k1, st);
           }
         }
-        if (!wide && !amx) switch (n) {
+        if (!wide && !amx) switch (nr) {
             case 1:
               ok = fused_decode_keys<Bf16, 1>(P, k0, k1, st);
               break;
             case 2:
               ok = fused_decode_keys<Bf16, 2>(P, k0, k1, st);
               break;
-            case 3:
-              ok = fused_decode_keys<Bf16, 3>(P, k0, k1, st);
+            case 4:
+              ok = fused_decode_keys<Bf16, 4>(P, k0, k1, st);
               break;
             default:
-              ok = fused_decode_keys<Bf16, 4>(P, k0, k1, st);
+              if constexpr (!Bf16) {  // bf16 runs the pair or tile forms from 5 rows
+                if (nr == 8)
+                  ok = fused_decode_keys<false, 8>(P, k0, k1, st);
+                else
+                  ok = fused_decode_keys<false, 16>(P, k0, k1, st);
+              }
               break;
           }
         for (Index i = 0; i < n; ++i) {
