@@ -3,8 +3,8 @@
 /// column-major K and V (float or bf16), read once, column segment by column segment, with the
 /// products and the online softmax fused into the read. Four forms: bf16 with 1-4 queries, with
 /// 5-16 queries on the avx512bf16 path (`vdpbf16ps`) and with 5-16 queries on the AMX path (tile
-/// products, `fused_decode_keys_amx`), all `policy::TiledBf16`, and fp32 with 1-4 queries (float
-/// `policy::Tiled`, the FMA form without the roundings).
+/// products, `fused_decode_keys_amx`), all `policy::TiledBf16`, and fp32 with 1-16 queries (float
+/// `policy::Tiled`, the FMA form without the roundings, 1, 2, 4, 8 or 16 rows).
 ///
 /// Decoding reads the whole cache for a handful of flops per key, so the read is the cost. The
 /// tile kernels this replaces rounded a 1024-key tile of K or V into a cache-resident buffer and
@@ -15,15 +15,16 @@
 /// sums, P rounded to bf16 before the P V product) and computes while it reads:
 /// - keys, in blocks of `kFusedDecodeBlock` (512): for each column c the block's segment
 ///   K[j0 : j0 + 512, c] (2 KiB of float, contiguous) is rounded to bf16 in registers and
-///   s_i += q_ic K[., c] accumulated into the scores of the rows, held in L1: 1-4 rows with FMAs,
-///   4 columns per pass over the scores; 5-16 rows (16 score rows, the extra queries zero) with
-///   `vdpbf16ps` on pairs of columns, 8 columns per pass;
+///   s_i += q_ic K[., c] accumulated into the scores of the rows, held in L1: 1-4 rows (fp32:
+///   up to 16) with FMAs, 4 columns per pass over the scores; 5-16 rows (16 score rows, the extra
+///   queries zero) with `vdpbf16ps` on pairs of columns, 8 columns per pass (the AMX form:
+///   `fused_decode_keys_amx`);
 /// - softmax per block (`decode_block_softmax`): bias, causal mask, block maximum, a lazy
 ///   running maximum (the accumulator is rescaled only when a block's maximum exceeds the
 ///   reference by more than `kDecodeLazyMax`, as in decode_avx512.hpp), p = exp(s - m) summed in
 ///   fp32 per block and into a double row sum across blocks, p rounded to bf16;
-/// - values: for each column c, o_ic += sum_j p_ij V[j, c] over the block's segment: 1-4 rows
-///   with 2 or 4 independent 16-lane partial sums per row, reduced once per column; 5-16 rows
+/// - values: for each column c, o_ic += sum_j p_ij V[j, c] over the block's segment: FMA forms
+///   with 1, 2 or 4 independent 16-lane partial sums per row, reduced once per column; 5-16 rows
 ///   with `vdpbf16ps` on pairs of neighbouring keys (a bf16 column is already in that layout),
 ///   16 accumulators reduced by one shuffle tree per column.
 /// Column segments are read in the order K columns, V columns, next block's K columns, with
@@ -33,8 +34,8 @@
 /// finite queries catches every non-finite key; a non-finite value makes the output non-finite,
 /// so the callers scan K and V only when something was not finite.
 ///
-/// The 1-4 row forms need AVX512F/BW/VL (both x86 bf16 paths imply them), the 5-16 row form
-/// AVX512-BF16 (both x86 bf16 paths have it).
+/// The FMA forms need AVX512F/BW/VL (both x86 bf16 paths imply them), the `vdpbf16ps` form
+/// AVX512-BF16 (both x86 bf16 paths have it), the AMX form AMX-TILE and AMX-BF16.
 #pragma once
 
 #include <algorithm>
@@ -690,12 +691,12 @@ EFFATTN_TARGET_AMX bool fused_decode_keys_amx(const FusedDecodeProblem<In>& P,
 }
 
 /// Fused decoding (`Bf16`: the TiledBf16 arithmetic; otherwise fp32, In = float): out (n x dv)
-/// and lse (n) for n <= `kFusedDecodeMaxRows` queries (`kFusedDecodeWideRows` when Bf16), key
-/// ranges as
-/// `plan.kv_splits` says (32-aligned, as the tile kernels split), merged by log-sum-exp.
-/// Thread-count independent. Needs AVX512F (an x86 bf16 path was selected). O(splits n dv) memory.
-/// \returns false if a raw score was not finite (see `fused_decode_keys`): K and V are checked by
-/// the kernel and the caller's look at the output, not scanned beforehand.
+/// and lse (n) for n <= `kFusedDecodeFp32MaxRows` queries (`kFusedDecodeWideRows` when Bf16;
+/// `amx`: the AMX form from `kFusedDecodeAmxMinRows` queries), key ranges as `plan.kv_splits` says
+/// (32-aligned, as the tile kernels split), merged by log-sum-exp. Thread-count independent. Needs
+/// AVX512F (an x86 bf16 path was selected). O(splits n dv) memory. \returns false if a raw score
+/// was not finite (see `fused_decode_keys`): K and V are checked by the kernel and the caller's
+/// look at the output, not scanned beforehand.
 template <bool Bf16, typename In>
 bool fused_decode_run(const Eigen::Ref<const Matrix<In>>& Q, const Eigen::Ref<const Matrix<In>>& K,
                       const Eigen::Ref<const Matrix<In>>& V, const float* bias, float scale,
@@ -703,10 +704,10 @@ bool fused_decode_run(const Eigen::Ref<const Matrix<In>>& Q, const Eigen::Ref<co
                       bool amx = false) {
   const Index n = Q.rows(), m = K.rows(), d = Q.cols(), dv = V.cols();
   amx = Bf16 && amx && n >= kFusedDecodeAmxMinRows;
-  // 1-4 rows (FMA forms): the scaled queries (rounded to bf16 when Bf16), row-major. 5-16 rows
-  // (Bf16 only): 16 rows of query pairs (bf16(s Q_i,2p), bf16(s Q_i,2p+1)), zero past the
-  // queries and d, with a row stride of ceil(d / 2) pairs (vdpbf16ps form) or of whole 16-pair
-  // d-tiles (AMX form: a row of a tile is 32 bf16).
+  // FMA forms (bf16: 1-4 rows; fp32: 1-16): the scaled queries (rounded to bf16 when Bf16),
+  // row-major, zero rows up to the form's. bf16 with 5-16 rows: 16 rows of query pairs (bf16(s
+  // Q_i,2p), bf16(s Q_i,2p+1)), zero past the queries and d, with a row stride of ceil(d / 2) pairs
+  // (vdpbf16ps form) or of whole 16-pair d-tiles (AMX form: a row of a tile is 32 bf16).
   const bool wide = Bf16 && !amx && n > kFusedDecodeMaxRows, pairs = wide || amx;
   // The rows of the FMA form that runs (the extra rows are zero queries).
   const Index nr = n <= 2 ? n : n <= 4 ? 4 : n <= 8 ? 8 : 16;
