@@ -16,6 +16,7 @@
 
 using namespace effattn;
 using effattn::testing::bitwise_equal;
+using effattn::testing::for_each_nonfinite_entry;
 using effattn::testing::max_abs_error;
 using effattn::testing::rel_fro_error;
 using effattn::testing::with_threads;
@@ -218,25 +219,21 @@ TEST_CASE("bf16 fused decoding kernel: 1-16 rows, tails, rescales, bias, bf16 in
 
 TEST_CASE("bf16 decoding: a non-finite key or value anywhere throws (K and V not pre-scanned)",
           "[bf16][decode]") {
-  const float inf = std::numeric_limits<float>::infinity();
   const ExactAttentionBf16 f;
   // 2 queries: the FMA form; 8: the vdpbf16ps or the tile form (by path).
   for (const Index n : {2, 8}) {
     const auto w = workloads::make<float>(workloads::Kind::Gaussian,
                                           workloads::Params::shape(n, 3000, 64, 64));
     REQUIRE(f.compute(w.Q, w.K, w.V).info == Info::Success);
-    for (const float bad : {std::numeric_limits<float>::quiet_NaN(), inf, -inf})
-      for (const Index row : {Index(0), Index(1500), Index(2999)})
-        for (const Index col : {Index(0), Index(63)}) {
-          INFO("n = " << n << ", value " << bad << " at (" << row << ", " << col << ")");
-          Matrix<float> K = w.K, V = w.V;
-          K(row, col) = bad;
-          CHECK_THROWS_WITH(f.compute(w.Q, K, w.V), Catch::Contains("K ("));
-          CHECK_THROWS_WITH(f.compute(to_bf16(w.Q), to_bf16(K), to_bf16(w.V)),
-                            Catch::Contains("K ("));
-          V(row, col) = bad;
-          CHECK_THROWS_WITH(f.compute(w.Q, w.K, V), Catch::Contains("V ("));
-        }
+    INFO("n = " << n);
+    for_each_nonfinite_entry(w.K.rows(), w.K.cols(), [&](float bad, Index row, Index col) {
+      Matrix<float> K = w.K, V = w.V;
+      K(row, col) = bad;
+      CHECK_THROWS_WITH(f.compute(w.Q, K, w.V), Catch::Contains("K ("));
+      CHECK_THROWS_WITH(f.compute(to_bf16(w.Q), to_bf16(K), to_bf16(w.V)), Catch::Contains("K ("));
+      V(row, col) = bad;
+      CHECK_THROWS_WITH(f.compute(w.Q, w.K, V), Catch::Contains("V ("));
+    });
   }
 }
 

@@ -13,6 +13,7 @@
 
 using namespace effattn;
 using effattn::testing::bitwise_equal;
+using effattn::testing::for_each_nonfinite_entry;
 using effattn::testing::loop_attention;
 using effattn::testing::max_abs_error;
 using effattn::testing::randn;
@@ -449,24 +450,21 @@ TEST_CASE("fp32 decoding (the fused AVX-512 kernel): 1-16 rows, tails, rescales,
 
 TEST_CASE("fp32 decoding: a non-finite key or value anywhere throws (K and V not pre-scanned)",
           "[exact][decode][errors]") {
-  const float inf = std::numeric_limits<float>::infinity();
   const ExactAttentionf f;
   for (const Index n : {2, 11}) {  // the 2-row form; the 16-row form with zero query rows
     const auto w = workloads::make<float>(workloads::Kind::Gaussian,
                                           workloads::Params::shape(n, 3000, 64, 64));
     REQUIRE(f.compute(w.Q, w.K, w.V).info == Info::Success);
-    for (const float bad : {std::numeric_limits<float>::quiet_NaN(), inf, -inf})
-      for (const Index row : {Index(0), Index(1500), Index(2999)})
-        for (const Index col : {Index(0), Index(63)}) {
-          INFO("n = " << n << ", value " << bad << " at (" << row << ", " << col << ")");
-          Matrix<float> K = w.K, V = w.V, Q = w.Q;
-          K(row, col) = bad;
-          CHECK_THROWS_WITH(f.compute(w.Q, K, w.V), Catch::Contains("K ("));
-          V(row, col) = bad;
-          CHECK_THROWS_WITH(f.compute(w.Q, w.K, V), Catch::Contains("V ("));
-          Q(row % n, col) = bad;
-          CHECK_THROWS_WITH(f.compute(Q, w.K, w.V), Catch::Contains("Q ("));
-        }
+    INFO("n = " << n);
+    for_each_nonfinite_entry(w.K.rows(), w.K.cols(), [&](float bad, Index row, Index col) {
+      Matrix<float> K = w.K, V = w.V, Q = w.Q;
+      K(row, col) = bad;
+      CHECK_THROWS_WITH(f.compute(w.Q, K, w.V), Catch::Contains("K ("));
+      V(row, col) = bad;
+      CHECK_THROWS_WITH(f.compute(w.Q, w.K, V), Catch::Contains("V ("));
+      Q(row % n, col) = bad;
+      CHECK_THROWS_WITH(f.compute(Q, w.K, w.V), Catch::Contains("Q ("));
+    });
   }
 }
 

@@ -163,6 +163,21 @@ auto with_threads(int threads, F&& f) -> decltype(f()) {
   return f();
 }
 
+/// Calls f(bad, row, col) for one non-finite entry at a time of a rows x cols operand: NaN, +inf
+/// and -inf at the first, middle and last row and the first and last column (the fused decoding
+/// kernels do not scan K and V beforehand, so the tests put them where block and chunk edges
+/// are), with INFO naming the entry.
+template <typename F>
+void for_each_nonfinite_entry(Index rows, Index cols, F&& f) {
+  const float inf = std::numeric_limits<float>::infinity();
+  for (const float bad : {std::numeric_limits<float>::quiet_NaN(), inf, -inf})
+    for (const Index row : {Index(0), rows / 2, rows - 1})
+      for (const Index col : {Index(0), cols - 1}) {
+        INFO("value " << bad << " at (" << row << ", " << col << ")");
+        f(bad, row, col);
+      }
+}
+
 /// Whether this test binary was built with OpenMP (thread-count tests are vacuous otherwise).
 constexpr bool has_openmp() {
 #if defined(_OPENMP)
