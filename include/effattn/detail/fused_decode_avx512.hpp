@@ -67,9 +67,10 @@ constexpr Index kFusedDecodeFp32MaxRows = 16;
 constexpr Index kFusedDecodeWideRows = 16;
 /// The fewest query rows for which the AMX path runs the AMX form (`fused_decode_keys_amx`: tile
 /// products of 16 rows, whose cost hardly depends on the row count). Measured (2 threads,
-/// d = 128, m = 32768 / 262144, % of the streaming read): 16 rows 55% / 70% against 26% / 49%
-/// for the vdpbf16ps form; 4 rows 62% / 75% against 48% / 82% for the FMA form; 1 row 61% /
-/// 76% against 79-83% / 95-101%. From 5 rows, where the AMX form wins at both sizes.
+/// d = 128, m = 32768 / 262144, % of the streaming read): 16 rows 54-56% / 71-74% against
+/// 26-29% / 49-50% for the vdpbf16ps form; 4 rows 62% / 75% against 48-56% / 78-82% for the FMA
+/// form; 1 row 61% / 76% against 74-83% / 87-101%. From 5 rows, where the AMX form wins at both
+/// sizes.
 constexpr Index kFusedDecodeAmxMinRows = 5;
 /// Keys per block: a 2 KiB column segment of float; 4 (16) x 2 KiB of scores in L1.
 constexpr Index kFusedDecodeBlock = 512;
@@ -133,10 +134,8 @@ struct FusedDecodeState {
   Matrix<float> s, acc;
   std::vector<std::uint32_t>
       pp;  ///< R x (block / 2) pairs: row i's 32-key chunk t at (i c32 + t) 16
-  /// AMX form: the block's K as `tdpbf16ps` B tiles (chunk n, d-tile t at (n dq + t) 256: row p
-  /// = the pairs of columns 32 t + 2 p, 32 t + 2 p + 1 for the chunk's 16 keys), one value
-  /// group's V^T A tiles (32-key chunk t at t 256: row r = column 16 g + r's 32 keys) and P^T
-  /// B tiles (chunk t at t 256: row k = the 16 rows' pairs of keys 2 k, 2 k + 1).
+  /// AMX form (`fused_decode_keys_amx`): the block's K as `tdpbf16ps` B tiles (kb), the V^T A
+  /// tiles of `kAmxValueGroups` groups of 16 value columns (vb) and the P^T B tiles (pt).
   std::vector<std::uint32_t> kb, vb, pt;
   float m[R];
   double l[R];
@@ -705,9 +704,10 @@ bool fused_decode_run(const Eigen::Ref<const Matrix<In>>& Q, const Eigen::Ref<co
   const Index n = Q.rows(), m = K.rows(), d = Q.cols(), dv = V.cols();
   amx = Bf16 && amx && n >= kFusedDecodeAmxMinRows;
   // FMA forms (bf16: 1-4 rows; fp32: 1-16): the scaled queries (rounded to bf16 when Bf16),
-  // row-major, zero rows up to the form's. bf16 with 5-16 rows: 16 rows of query pairs (bf16(s
-  // Q_i,2p), bf16(s Q_i,2p+1)), zero past the queries and d, with a row stride of ceil(d / 2) pairs
-  // (vdpbf16ps form) or of whole 16-pair d-tiles (AMX form: a row of a tile is 32 bf16).
+  // row-major, zero rows up to the form's. bf16 with 5-16 rows: 16 rows of query pairs
+  // (bf16(s Q_i,2p), bf16(s Q_i,2p+1)), zero past the queries and d, with a row stride of
+  // ceil(d / 2) pairs (vdpbf16ps form) or of whole 16-pair d-tiles (AMX form: 32 bf16 per tile
+  // row).
   const bool wide = Bf16 && !amx && n > kFusedDecodeMaxRows, pairs = wide || amx;
   // The rows of the FMA form that runs (the extra rows are zero queries).
   const Index nr = n <= 2 ? n : n <= 4 ? 4 : n <= 8 ? 8 : 16;
