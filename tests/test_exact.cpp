@@ -408,7 +408,8 @@ TEST_CASE("fp32 decoding (the fused AVX-512 kernel): 1-16 rows, tails, rescales,
          << active_isa() << "'): these cases test the Tiled kernel only");
   // 3, 5, 9: zero query rows padding the 4-, 8- and 16-row forms.
   for (const Index n : {1, 2, 3, 4, 5, 8, 9, 16})
-    for (const Index d : {16, 18, 128})       // 18: a key-column pass of one column after four
+    // 17, 18: a key-column pass of one column after passes of two (8, 16 rows) or four.
+    for (const Index d : {16, 17, 18, 128})
       for (const Index m : {5, 531, 4099}) {  // one chunk, a block tail, splits with tails
         const auto w = workloads::make<float>(workloads::Kind::Gaussian,
                                               workloads::Params::shape(n, m, d, d + 2));
