@@ -10,14 +10,22 @@
 namespace effattn {
 namespace detail {
 
-/// True when every entry is finite. One vectorised reduction per column: x - x is 0 for finite x
-/// and NaN for NaN/Inf, so a column sum is 0 exactly when the column is finite (IEEE arithmetic;
-/// not valid under -ffast-math). About 20x faster than Eigen's allFinite() on a strided block.
+/// True when every entry is finite. One vectorised reduction per column (per row of a row-major
+/// expression): x - x is 0 for finite x and NaN for NaN/Inf, so a sum is 0 exactly when the
+/// column is finite (IEEE arithmetic; not valid under -ffast-math). About 20x faster than Eigen's
+/// allFinite() on a strided block.
 template <typename Derived>
 bool all_finite(const Eigen::DenseBase<Derived>& m) {
   using Scalar = typename Derived::Scalar;
-  for (Index j = 0; j < m.cols(); ++j)
-    if (!((m.col(j).array() - m.col(j).array()).sum() == Scalar(0))) return false;
+  // Along the storage order: a row-major block scanned by columns reads one float per row
+  // (measured 4% of a multi-head prefill on its row-major query block).
+  if constexpr (Derived::IsRowMajor) {
+    for (Index i = 0; i < m.rows(); ++i)
+      if (!((m.row(i).array() - m.row(i).array()).sum() == Scalar(0))) return false;
+  } else {
+    for (Index j = 0; j < m.cols(); ++j)
+      if (!((m.col(j).array() - m.col(j).array()).sum() == Scalar(0))) return false;
+  }
   return true;
 }
 

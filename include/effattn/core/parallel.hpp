@@ -38,6 +38,16 @@ inline int max_threads() noexcept {
 
 namespace detail {
 
+/// Number of threads a `parallel_for` opened here would run on: 1 inside a parallel region
+/// (where it runs serially), otherwise `max_threads()`.
+inline int region_threads() noexcept {
+#if EFFATTN_HAS_OPENMP
+  return omp_in_parallel() ? 1 : omp_get_max_threads();
+#else
+  return 1;
+#endif
+}
+
 /// Asks the kernel to back the 2 MiB-aligned part of a large, freshly allocated and not yet
 /// touched buffer with transparent huge pages (Linux `madvise(MADV_HUGEPAGE)`; a no-op elsewhere,
 /// for buffers under 8 MiB or over 64 MiB, or when THP is disabled). A fresh buffer is zeroed by
