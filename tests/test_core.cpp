@@ -283,6 +283,41 @@ TEMPLATE_TEST_CASE("check_attention_inputs rejects NaN, +Inf and -Inf in each of
   }
 }
 
+TEMPLATE_TEST_CASE("all_finite finds every non-finite entry in either storage order",
+                   "[core][errors]", float, double) {
+  using S = TestType;
+  using effattn::detail::all_finite;
+  using RowMat = Eigen::Matrix<S, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+  // Blocks at an offset (strided in both orders), their transposes, and row / column vectors;
+  // the scan order depends on the storage order, so each entry is tried in each.
+  const Index rows = 7, cols = 19;
+  const double bad_values[] = {kNaN, kInf, -kInf};
+  Matrix<S> C = ramp<S>(rows + 3, cols + 2);
+  RowMat R = C;
+  auto cb = C.block(2, 1, rows, cols);
+  auto rb = R.block(2, 1, rows, cols);
+  REQUIRE(all_finite(cb));
+  REQUIRE(all_finite(rb));
+  REQUIRE(all_finite(rb.transpose()));
+  for (double bad : bad_values)
+    for (Index i = 0; i < rows; ++i)
+      for (Index j = 0; j < cols; ++j) {
+        const S keep = cb(i, j);
+        cb(i, j) = static_cast<S>(bad);
+        rb(i, j) = static_cast<S>(bad);
+        INFO("value " << bad << " at (" << i << ", " << j << ")");
+        CHECK_FALSE(all_finite(cb));
+        CHECK_FALSE(all_finite(rb));
+        CHECK_FALSE(all_finite(cb.transpose()));
+        CHECK_FALSE(all_finite(rb.transpose()));
+        CHECK_FALSE(all_finite(rb.row(i)));
+        CHECK_FALSE(all_finite(cb.col(j)));
+        CHECK(all_finite(rb.row((i + 1) % rows)));
+        cb(i, j) = keep;
+        rb(i, j) = keep;
+      }
+}
+
 TEMPLATE_TEST_CASE("check_attention_inputs accepts valid Maps and column blocks", "[core][errors]",
                    float, double) {
   using S = TestType;

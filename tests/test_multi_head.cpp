@@ -377,6 +377,20 @@ TEST_CASE("MultiHead rejects bad input, naming the argument", "[multi_head][erro
   RowMat<float> bad = p.Q;
   bad(3, 17) = std::numeric_limits<float>::quiet_NaN();
   throws_with([&] { (void)mh.compute(bad, p.K, p.V); }, "row 3, column 17");
+  {
+    // The same in a prefill block (400 queries: not stacked), whose row-major query buffer is
+    // checked row by row; in the second block of the sequence and in the last head.
+    const Packed<float> lp(400, 400, 4, 2, 16, 16, 5u);
+    RowMat<float> lbad = lp.Q;
+    lbad(300, 4 * 16 - 1) = std::numeric_limits<float>::infinity();
+    for (const bool causal_mask : {false, true}) {
+      ExactOptions o;
+      o.causal = causal_mask;
+      const MultiHead<ExactAttentionf> lmh(o, {4, 2});
+      REQUIRE(lmh.compute(lp.Q, lp.K, lp.V).info == Info::Success);
+      throws_with([&] { (void)lmh.compute(lbad, lp.K, lp.V); }, "row 300, column 63");
+    }
+  }
   // A method's own check, reported with the (sequence, head) it failed in.
   VccOptions vo;
   vo.vip = {0, 12};
