@@ -323,7 +323,7 @@ struct MhTask {
 };
 
 /// Prefetches part `part` of `parts` of block `blk`'s query rows of a row-major Q into L2.
-/// Each query row of a packed Q lies on its own page (heads d floats wide), where the hardware
+/// Each query row of a packed Q lies on its own page (heads x d floats wide), where the hardware
 /// prefetchers stop, so gathering a block on demand waits for one page walk and DRAM access per
 /// row: measured 7% of a GQA prefill (L = 512, 32 heads of 128), with the other thread's traffic.
 /// The multi-head kernel prefetches the block a thread probably runs next during the current
