@@ -7,4 +7,5 @@
 
 namespace effattn {
 template class KepSvgpAttention<float>;
+template struct KepSvgpResult<float>;
 }  // namespace effattn

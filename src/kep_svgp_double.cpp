@@ -4,4 +4,5 @@
 
 namespace effattn {
 template class KepSvgpAttention<double>;
+template struct KepSvgpResult<double>;
 }  // namespace effattn

@@ -154,6 +154,7 @@ struct AutoResult : AttentionResult<Scalar> {
 /// \endcode
 template <typename Scalar_>
 class AutoAttention {
+  EFFATTN_REQUIRE_DEFINITIONS(AutoAttention);
   static_assert(detail::is_supported_scalar_v<Scalar_>, "effattn: Scalar must be float or double");
 
  public:
@@ -198,11 +199,13 @@ using AutoAttentiond = AutoAttention<double>;
 
 }  // namespace effattn
 
+#if EFFATTN_DETAIL_WITH_IMPL
 #include "detail/auto_impl.hpp"
+#endif
 
 #ifdef EFFATTN_COMPILED
 namespace effattn {
-extern template class AutoAttention<float>;
-extern template class AutoAttention<double>;
+EFFATTN_EXTERN_INSTANCE(AutoAttention<float>)
+EFFATTN_EXTERN_INSTANCE(AutoAttention<double>)
 }  // namespace effattn
 #endif

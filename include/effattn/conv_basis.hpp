@@ -148,6 +148,7 @@ struct ConvBasisResult : AttentionResult<Scalar> {
 template <typename Scalar_, typename FftBackend = fft::Default, typename Recovery = policy::Scan,
           typename Real = double>
 class ConvBasisAttention {
+  EFFATTN_REQUIRE_DEFINITIONS(ConvBasisAttention);
   static_assert(detail::is_supported_scalar_v<Scalar_>, "effattn: Scalar must be float or double");
   static_assert(detail::is_supported_scalar_v<Real>, "effattn: Real must be float or double");
   static_assert(conv_basis::is_recovery_policy_v<Recovery>,
@@ -269,12 +270,14 @@ using ConvBasisAttentiond = ConvBasisAttention<double>;
 
 }  // namespace effattn
 
+#if EFFATTN_DETAIL_WITH_IMPL
 #include "detail/conv_basis_backward_impl.hpp"
 #include "detail/conv_basis_impl.hpp"
+#endif
 
 #ifdef EFFATTN_COMPILED
 namespace effattn {
-extern template class ConvBasisAttention<float>;  // default backend and recovery only
-extern template class ConvBasisAttention<double>;
+EFFATTN_EXTERN_INSTANCE(ConvBasisAttention<float>)  // default backend and recovery only
+EFFATTN_EXTERN_INSTANCE(ConvBasisAttention<double>)
 }  // namespace effattn
 #endif

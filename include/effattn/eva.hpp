@@ -214,6 +214,7 @@ struct EvaResult : AttentionResult<Scalar> {
 /// `compute` is const and keeps no state: one functor may be shared by any number of threads.
 template <typename Scalar_, typename Policy = policy::ControlVariates>
 class EvaAttention {
+  EFFATTN_REQUIRE_DEFINITIONS(EvaAttention);
   static_assert(detail::is_supported_scalar_v<Scalar_>, "effattn: Scalar must be float or double");
   static_assert(std::is_same_v<Policy, policy::ControlVariates>,
                 "effattn: EvaAttention's policy must be policy::ControlVariates (the RFA / "
@@ -327,6 +328,7 @@ struct PerformerResult : AttentionResult<Scalar> {
 /// `compute` is const and keeps no state: one functor may be shared by any number of threads.
 template <typename Scalar_>
 class PerformerAttention {
+  EFFATTN_REQUIRE_DEFINITIONS(PerformerAttention);
   static_assert(detail::is_supported_scalar_v<Scalar_>, "effattn: Scalar must be float or double");
 
  public:
@@ -410,13 +412,15 @@ using PerformerAttentiond = PerformerAttention<double>;
 
 }  // namespace effattn
 
+#if EFFATTN_DETAIL_WITH_IMPL
 #include "detail/eva_impl.hpp"
+#endif
 
 #ifdef EFFATTN_COMPILED
 namespace effattn {
-extern template class EvaAttention<float>;
-extern template class EvaAttention<double>;
-extern template class PerformerAttention<float>;
-extern template class PerformerAttention<double>;
+EFFATTN_EXTERN_INSTANCE(EvaAttention<float>)
+EFFATTN_EXTERN_INSTANCE(EvaAttention<double>)
+EFFATTN_EXTERN_INSTANCE(PerformerAttention<float>)
+EFFATTN_EXTERN_INSTANCE(PerformerAttention<double>)
 }  // namespace effattn
 #endif

@@ -124,6 +124,7 @@ struct ExactResult : AttentionResult<Scalar> {
 /// `compute` is const and keeps no state: one functor may be shared by any number of threads.
 template <typename Scalar_, typename Policy = policy::Tiled>
 class ExactAttention {
+  EFFATTN_REQUIRE_DEFINITIONS(ExactAttention);
   static_assert(detail::is_supported_scalar_v<Scalar_>, "effattn: Scalar must be float or double");
   static_assert(std::is_same_v<Policy, policy::Tiled> || std::is_same_v<Policy, policy::Naive> ||
                     std::is_same_v<Policy, policy::TiledBf16>,
@@ -278,17 +279,19 @@ using NaiveAttentiond = ExactAttention<double, policy::Naive>;
 
 }  // namespace effattn
 
+#if EFFATTN_DETAIL_WITH_IMPL
 #include "detail/exact_backward_impl.hpp"
 #include "detail/exact_impl.hpp"
+#endif
 
 #ifdef EFFATTN_COMPILED
 namespace effattn {
 // Both policies are reference policies of the library: the default Tiled kernel, and Naive, the
 // materialised reference the tests and the comparison program measure every method against.
-extern template class ExactAttention<float, policy::Tiled>;
-extern template class ExactAttention<double, policy::Tiled>;
-extern template class ExactAttention<float, policy::Naive>;
-extern template class ExactAttention<double, policy::Naive>;
-extern template class ExactAttention<float, policy::TiledBf16>;
+EFFATTN_EXTERN_INSTANCE(ExactAttention<float, policy::Tiled>)
+EFFATTN_EXTERN_INSTANCE(ExactAttention<double, policy::Tiled>)
+EFFATTN_EXTERN_INSTANCE(ExactAttention<float, policy::Naive>)
+EFFATTN_EXTERN_INSTANCE(ExactAttention<double, policy::Naive>)
+EFFATTN_EXTERN_INSTANCE(ExactAttention<float, policy::TiledBf16>)
 }  // namespace effattn
 #endif

@@ -424,7 +424,9 @@ Vector<Scalar> from_log_inv_sqrt(const Vector<Scalar>& theta) {
 
 #ifdef EFFATTN_COMPILED
 namespace effattn {
-extern template class KepSvgpAttention<float>;  // default policies only
-extern template class KepSvgpAttention<double>;
+EFFATTN_EXTERN_INSTANCE(KepSvgpAttention<float>)  // default policies only
+EFFATTN_EXTERN_INSTANCE(KepSvgpAttention<double>)
+extern template struct KepSvgpResult<float>;  // diagnostics() is defined in the impl header
+extern template struct KepSvgpResult<double>;
 }  // namespace effattn
 #endif

@@ -161,6 +161,7 @@ struct VccResult : AttentionResult<Scalar> {
 template <typename Scalar_, typename Select = policy::TwoLevel, typename Score = policy::MeanProb,
           typename NonVip = policy::Decompress>
 class VccAttention {
+  EFFATTN_REQUIRE_DEFINITIONS(VccAttention);
   static_assert(detail::is_supported_scalar_v<Scalar_>, "effattn: Scalar must be float or double");
   static_assert(std::is_same_v<Select, policy::TwoLevel> ||
                     std::is_same_v<Select, policy::BestFirstDyadic> ||
@@ -267,11 +268,13 @@ using VccAttentiond = VccAttention<double>;
 
 }  // namespace effattn
 
+#if EFFATTN_DETAIL_WITH_IMPL
 #include "detail/vcc_impl.hpp"
+#endif
 
 #ifdef EFFATTN_COMPILED
 namespace effattn {
-extern template class VccAttention<float>;
-extern template class VccAttention<double>;
+EFFATTN_EXTERN_INSTANCE(VccAttention<float>)
+EFFATTN_EXTERN_INSTANCE(VccAttention<double>)
 }  // namespace effattn
 #endif

@@ -314,7 +314,7 @@ using VccTreed = VccTree<double>;
 
 #ifdef EFFATTN_COMPILED
 namespace effattn {
-extern template class VccTree<float>;
-extern template class VccTree<double>;
+EFFATTN_EXTERN_INSTANCE(VccTree<float>)
+EFFATTN_EXTERN_INSTANCE(VccTree<double>)
 }  // namespace effattn
 #endif

@@ -383,7 +383,7 @@ template <typename DQ>
 
 #ifdef EFFATTN_COMPILED
 namespace effattn {
-extern template class WildcatAttention<float>;
-extern template class WildcatAttention<double>;
+EFFATTN_EXTERN_INSTANCE(WildcatAttention<float>)
+EFFATTN_EXTERN_INSTANCE(WildcatAttention<double>)
 }  // namespace effattn
 #endif

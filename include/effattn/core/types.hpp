@@ -94,6 +94,30 @@ namespace detail {
 template <typename Scalar>
 constexpr bool is_supported_scalar_v =
     std::is_same<Scalar, float>::value || std::is_same<Scalar, double>::value;
+
+/// True for the functor instantiations that `effattn::compiled` carries: the method headers
+/// specialise it next to their `extern template` declarations (compiled mode only).
+template <typename Functor>
+struct in_compiled_library : std::false_type {};
 }  // namespace detail
+
+/// In a compiled-mode TU without `EFFATTN_ALL_POLICIES` (see config.hpp) the member definitions of
+/// the functors are not included: a class template body states with this macro that it is one of
+/// the instantiations of the compiled library, or fails with the fix in the message.
+#define EFFATTN_REQUIRE_DEFINITIONS(Class)                                                        \
+  static_assert(EFFATTN_DETAIL_WITH_IMPL || ::effattn::detail::in_compiled_library<Class>::value, \
+                "effattn: this TU uses effattn::compiled (EFFATTN_COMPILED), which carries only " \
+                "the default-policy functors, and so does not include the implementation "        \
+                "headers: define EFFATTN_ALL_POLICIES before including effattn (or link the "     \
+                "header-only effattn::effattn) to instantiate other policies")
+
+/// Declares one instantiation of effattn::compiled (compiled mode, at namespace effattn scope):
+/// `extern template` plus the trait above.
+#define EFFATTN_EXTERN_INSTANCE(...)                           \
+  namespace detail {                                           \
+  template <>                                                  \
+  struct in_compiled_library<__VA_ARGS__> : std::true_type {}; \
+  }                                                            \
+  extern template class __VA_ARGS__;
 
 }  // namespace effattn

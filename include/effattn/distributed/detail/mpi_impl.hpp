@@ -24,6 +24,8 @@
 #include "../../core/online_softmax.hpp"
 #include "../../core/random.hpp"
 #include "../../core/types.hpp"
+#include "../../detail/exact_impl.hpp"    // detail::plan_tiles, also with EFFATTN_COMPILED
+#include "../../detail/wildcat_impl.hpp"  // detail::check_wildcat_options, likewise
 #include "../../wildcat.hpp"
 #include "../mpi.hpp"
 
