@@ -8,21 +8,7 @@
 // implementation headers.)
 #include <effattn/effattn.hpp>
 
-template class effattn::ExactAttention<float, effattn::policy::Tiled>;
-template class effattn::ExactAttention<double, effattn::policy::Tiled>;
-template class effattn::ExactAttention<float, effattn::policy::Naive>;
-template class effattn::ExactAttention<double, effattn::policy::Naive>;
-template class effattn::ExactAttention<float, effattn::policy::TiledBf16>;
-template class effattn::VccAttention<float>;
-template class effattn::VccAttention<double>;
-template class effattn::EvaAttention<float>;
-template class effattn::EvaAttention<double>;
-template class effattn::PerformerAttention<float>;
-template class effattn::PerformerAttention<double>;
-template class effattn::ConvBasisAttention<float>;
-template class effattn::ConvBasisAttention<double>;
-template class effattn::AutoAttention<float>;
-template class effattn::AutoAttention<double>;
+#include "compiled_instances.inc"  // the functors
 template class effattn::MultiHead<effattn::ExactAttentionf>;
 template class effattn::MultiHead<effattn::ExactAttentionBf16>;
 template class effattn::MultiHead<effattn::VccAttentiond>;

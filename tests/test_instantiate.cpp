@@ -9,20 +9,9 @@
 // built) src/ instantiates exactly these, with the same explicit instantiation definitions, so
 // compiling them again here would only repeat that work (they were most of this file's 530 s).
 #ifndef EFFATTN_COMPILED
-template class effattn::ExactAttention<float, effattn::policy::Tiled>;
-template class effattn::ExactAttention<double, effattn::policy::Tiled>;
-template class effattn::ExactAttention<float, effattn::policy::Naive>;
-template class effattn::ExactAttention<double, effattn::policy::Naive>;
-template class effattn::VccAttention<float>;
-template class effattn::VccAttention<double>;
+#include "compiled_instances.inc"
 template class effattn::VccTree<float>;
 template class effattn::VccTree<double>;
-template class effattn::EvaAttention<float>;
-template class effattn::EvaAttention<double>;
-template class effattn::PerformerAttention<float>;
-template class effattn::PerformerAttention<double>;
-template class effattn::ConvBasisAttention<float>;
-template class effattn::ConvBasisAttention<double>;
 template class effattn::WildcatAttention<float>;
 template class effattn::WildcatAttention<double>;
 template class effattn::KepSvgpAttention<float>;
