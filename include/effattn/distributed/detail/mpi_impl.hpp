@@ -24,8 +24,7 @@
 #include "../../core/online_softmax.hpp"
 #include "../../core/random.hpp"
 #include "../../core/types.hpp"
-#include "../../detail/exact_impl.hpp"    // detail::plan_tiles, also with EFFATTN_COMPILED
-#include "../../detail/wildcat_impl.hpp"  // detail::check_wildcat_options, likewise
+#include "../../detail/exact_impl.hpp"  // also with EFFATTN_COMPILED, which leaves it out of exact.hpp
 #include "../../wildcat.hpp"
 #include "../mpi.hpp"
 
