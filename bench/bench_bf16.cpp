@@ -73,6 +73,7 @@ struct Runner {
   ExactOptions opts;
   Matrix<float> out;
   Vector<float> lse;
+  bool split = false;  ///< the split score product (`Bf16Scores::Split`)
   void operator()(const Matrix<float>& Q, const Matrix<float>& K, const Matrix<float>& V) {
     if (path == Path::Fp32) {
       auto r = ExactAttention<float>(opts).compute(Q, K, V);
@@ -83,16 +84,17 @@ struct Runner {
         detail::plan_bf16_tiles(Q.rows(), K.rows(), Q.cols(), V.cols(), opts.block_q, opts.block_k);
     const float scale = static_cast<float>(detail::resolve_scale(opts.scale, Q.cols()));
     detail::tiled_attention_bf16<float>(Q, K, V, nullptr, scale, opts.causal, plan, path_isa(path),
-                                        out, lse);
+                                        out, lse, split);
   }
 };
 
-void bm_exact(benchmark::State& state, const std::string& name, Path path, Index d, bool causal) {
+void bm_exact(benchmark::State& state, const std::string& name, Path path, Index d, bool causal,
+              bool split = false) {
   if (!path_available(state, path)) return;
   const Index n = state.range(0);
   const int threads = set_threads(0);
   const auto& w = cached_workload<float>(workloads::Kind::Gaussian, n, n, d, d);
-  Runner run{path, {}, {}, {}};
+  Runner run{path, {}, {}, {}, split};
   run.opts.causal = causal;
   const double sec = timed_loop(state, [&] {
     run(w.Q, w.K, w.V);
@@ -241,6 +243,20 @@ void register_all() {
         for (std::int64_t n = 1024; n <= max_n; n *= 4) b->Arg(n);
         b->Unit(benchmark::kMillisecond)->UseRealTime()->Complexity(benchmark::oNSquared);
       }
+  // Small heads, where `Bf16Scores::Auto` splits the score product (three bf16 products): its
+  // cost against one product and against fp32.
+  for (const Index d : {16, 32})
+    for (const Path p : kPaths)
+      for (const bool split : {false, true}) {
+        if (p == Path::Fp32 && split) continue;
+        const std::string name = std::string("exact/") + path_name(p) + (split ? "-split" : "") +
+                                 "/d" + std::to_string(d) + "/full/tall";
+        benchmark::RegisterBenchmark(
+            name.c_str(), [=](benchmark::State& s) { bm_exact(s, name, p, d, false, split); })
+            ->Arg(4096)
+            ->Unit(benchmark::kMillisecond)
+            ->UseRealTime();
+      }
   for (const Index q : {1, 4, 16})
     for (const Path p : kPaths) {
       const std::string name =
@@ -286,6 +302,16 @@ void summary() {
         const std::string what = std::string(p) + " vs fp32-tiled, n = m = 4096, " + d + " " + mask;
         ratio("exact/fp32-tiled" + sfx, std::string("exact/") + p + sfx, what.c_str());
       }
+  for (const char* d : {"d16", "d32"})
+    for (const char* p : {"bf16-amx", "bf16-avx512bf16", "bf16-generic"}) {
+      const std::string sfx = std::string("/") + d + "/full/tall/4096";
+      const std::string single = std::string("exact/") + p + sfx,
+                        split = std::string("exact/") + p + "-split" + sfx;
+      ratio("exact/fp32-tiled" + sfx, split,
+            (std::string(p) + "-split vs fp32-tiled, n = m = 4096, " + d).c_str());
+      ratio(split, single,
+            (std::string(p) + "-split time / one product, n = m = 4096, " + d).c_str());
+    }
   for (const std::int64_t m : {32768, 262144})
     for (const char* q : {"q1", "q4", "q16"})
       for (const Path p : kPaths) {

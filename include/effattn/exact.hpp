@@ -33,6 +33,29 @@ struct Tiled {};
 struct TiledBf16 {};
 }  // namespace policy
 
+/// How `policy::TiledBf16` forms the scores S = s Q K^T of float inputs
+/// (`ExactOptions::bf16_scores`).
+enum class Bf16Scores {
+  /// `Split` when d <= `kBf16SplitScoresMaxDim` (32), `Single` otherwise.
+  Auto,
+  /// One bf16 product: S = bf16(s Q) bf16(K)^T, fp32 sums (the logit error ~2^-8 s |q| |k|).
+  Single,
+  /// Split bf16 ("bf16x3"): with q = s Q = q_h + q_l and K = k_h + k_l split into a bf16 value
+  /// and a bf16 remainder, S = q_h k_h^T + q_h k_l^T + q_l k_h^T, three bf16 products with fp32
+  /// sums: the logit error drops to ~2^-16 s |q| |k| (plus fp32 summation) at 3x the flops of
+  /// the score product. The decoding kernel (1-16 queries on the AVX-512 and AMX paths) reads
+  /// the fp32 inputs anyway and computes these scores in fp32 instead, at the same memory rate.
+  Split
+};
+
+/// `Bf16Scores::Auto` splits the score product up to this head dimension. Small heads have the
+/// cheapest score product (d flops per score against the fixed cost of the online softmax), and
+/// there a needle query (a scaled copy of one key) has a moderate logit (~2 gain sqrt(d)) whose
+/// weight competes with thousands of others, where a bf16 logit error moves the output most:
+/// measured on the needles workload (3 or 40 queries, 9001 keys), relative error 1.3-1.4e-2 at
+/// d = 16 and 24 with one product, 1.5-1.9e-3 split; 3.6e-3 at d = 32 and <= 2.3e-3 from d = 48.
+constexpr Index kBf16SplitScoresMaxDim = 32;
+
 /// Options of `ExactAttention`.
 struct ExactOptions {
   /// Logit scale: the logit of (i, j) is scale * <q_i, k_j>. 0 means 1/sqrt(d).
@@ -44,6 +67,9 @@ struct ExactOptions {
   Index block_q = 0;
   /// Keys per tile (Tiled only). 0 = automatic.
   Index block_k = 0;
+  /// TiledBf16 with float inputs: one bf16 score product or three (see `Bf16Scores`). Other
+  /// policies and bf16 inputs (whose K is exactly bf16 already) ignore it.
+  Bf16Scores bf16_scores = Bf16Scores::Auto;
 };
 
 /// Result of `ExactAttention::compute`, shared by both policies.
@@ -100,7 +126,12 @@ struct ExactResult : AttentionResult<Scalar> {
 ///   about 2u relative per term. Outputs are therefore within a few times 2^-9 of exact in
 ///   relative terms unless the logits are large (|s q_i k_j| >> 1 amplifies the logit error):
 ///   measured relative Frobenius errors are ~3e-3 on the shared workloads (README, "bf16 on
-///   the matrix engine"). lse carries the logit error directly (absolute ~u s |q| |k|). The
+///   the matrix engine"). lse carries the logit error directly (absolute ~u s |q| |k|). With
+///   `ExactOptions::bf16_scores` = `Bf16Scores::Split` (the default `Auto` for d <= 32) the
+///   scores of float inputs are three bf16 products (Q and K split into bf16 value and bf16
+///   remainder), which takes the logit error to ~u^2 s |q| |k|: at small d a needle query
+///   (moderate logit, weight competing with thousands of keys) reached 1.4e-2 with one product,
+///   1.5e-3 split. The
 ///   three paths multiply the same bf16 values and differ only in fp32 summation order; each
 ///   path is bit-identical across thread counts. `backward` runs the fp32 Tiled backward from
 ///   the bf16 forward's output and lse (gradients carry the forward's bf16 error); `MultiHead`
@@ -168,6 +199,9 @@ class ExactAttention {
     EFFATTN_CHECK(
         m_opts.block_k >= 0,
         detail::cat(name, ": Options::block_k must be >= 0 (0 = automatic); got ", m_opts.block_k));
+    EFFATTN_CHECK(detail::is_one_of(m_opts.bf16_scores,
+                                    {Bf16Scores::Auto, Bf16Scores::Single, Bf16Scores::Split}),
+                  detail::cat(name, ": Options::bf16_scores is not a Bf16Scores value"));
   }
 
   /// Attention of Q (n x d) over K (m x d), V (m x dv); `output` is n x dv, `lse` has n values.

@@ -12,6 +12,9 @@ ExactOptions exact_options(Kwargs& kw, bool causal, std::string& policy) {
   kw.get("scale", o.scale);
   kw.get("block_q", o.block_q);
   kw.get("block_k", o.block_k);
+  kw.get_enum(
+      "bf16_scores", o.bf16_scores,
+      {{"auto", Bf16Scores::Auto}, {"single", Bf16Scores::Single}, {"split", Bf16Scores::Split}});
   policy = "tiled";
   kw.get("policy", policy);
   kw.finish();

@@ -539,7 +539,8 @@ to float32. C-contiguous inputs (any row stride, unit column stride) are read in
 output is a new C-contiguous (n, dv) array. uint16 arrays are bf16 bit patterns (method
 'exact', policy 'tiled_bf16'; float32 output).
 
-method:  'exact'       options: scale, block_q, block_k, policy ('tiled' | 'naive' | 'tiled_bf16')
+method:  'exact'       options: scale, block_q, block_k, policy ('tiled' | 'naive' | 'tiled_bf16'),
+                       bf16_scores ('auto' | 'single' | 'split': tiled_bf16's score product)
          'conv_basis'  causal by construction (pass causal=True); num_bases, probe, threshold,
                        epsilon, window, block_size, guard, guard_tolerance, conv_method
          'vcc'         budget, block_size, fine_blocks, clamp_budget, lookahead, vip (row list)

@@ -264,6 +264,15 @@ def test_bf16(rng):
     assert rel_err(r.output, ref) < 1e-2
     r = effattn.attention(q, k, v, policy="tiled_bf16", causal=False)
     assert rel_err(r.output, softmax_attention(q, k, v)[0]) < 1e-2
+    # Small heads: the default splits the score product into three bf16 products (closer to
+    # fp64 than one product: measured e.g. 1.9e-3 against 3.2e-3 at this shape).
+    q, k, v = qkv(rng, 64, 2000, 16)
+    ref = softmax_attention(q, k, v)[0]
+    errs = {s: rel_err(effattn.attention(q, k, v, policy="tiled_bf16", bf16_scores=s).output, ref)
+            for s in ("auto", "single", "split")}
+    assert errs["auto"] == errs["split"] and errs["split"] < errs["single"] < 1e-2
+    with pytest.raises(ValueError, match="bf16_scores"):
+        effattn.attention(q, k, v, policy="tiled_bf16", bf16_scores="double")
     with pytest.raises(ValueError, match="uint16"):
         effattn.attention(qb, k, v)
     with pytest.raises(ValueError, match="exact"):

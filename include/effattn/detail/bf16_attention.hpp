@@ -13,6 +13,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "../core/errors.hpp"
@@ -249,23 +250,64 @@ void bf16_attention_run(const Kernel& kern, Index n, Index m, Index dv, const fl
   merge_split_states(part_m, part_l, part_acc, out, lse);
 }
 
+/// The operands of the split score product (`Bf16Scores::Split`): with q = scale Q split as
+/// q_h = bf16(q), q_l = bf16(q - q_h) and K as k_h = bf16(K), k_l = bf16(K - k_h),
+/// q3 = [q_h, q_h, q_l] (n x 3d) and k3 = [k_h, k_l, k_h] (m x 3d), every entry a bf16 value held
+/// in a float. Then q3 k3^T = q_h k_h^T + q_h k_l^T + q_l k_h^T, and the bf16 kernels, run on q3
+/// and k3 with scale 1, round nothing further (their rounding is exact on these values): every
+/// path gets the split product without a kernel of its own. Q, K finite. O((n + m) d).
+inline void split_bf16_operands(const Eigen::Ref<const Matrix<float>>& Q,
+                                const Eigen::Ref<const Matrix<float>>& K, float scale,
+                                Matrix<float>& q3, Matrix<float>& k3) {
+  const Index d = Q.cols();
+  auto split = [d](const Eigen::Ref<const Matrix<float>>& X, float s, Matrix<float>& out, Index hi2,
+                   Index lo) {
+    out.resize(X.rows(), 3 * d);
+    for (Index c = 0; c < d; ++c)
+      for (Index i = 0; i < X.rows(); ++i) {
+        const float x = X(i, c) * s, h = rounded_float(x, 1.0f);
+        out(i, c) = h;
+        out(i, hi2 + c) = h;
+        out(i, lo + c) = rounded_float(x - h, 1.0f);
+      }
+  };
+  split(Q, scale, q3, d, 2 * d);  // [q_h, q_h, q_l]
+  split(K, 1.0f, k3, 2 * d, d);   // [k_h, k_l, k_h]
+}
+
 /// bf16 exact attention: out (n x dv) and lse (n) for Q, K, V of scalar In (float or
 /// Eigen::bfloat16), converted to bf16 once (scale folded into Q) and multiplied on path `isa`
 /// (which must be available: `isa_available(isa)`). Inputs are validated by the caller, except
 /// the finiteness of K and V when `bf16_decode_fused` (the kernel checks them as it reads them).
 /// O((n + m) d) packed panels plus the workspaces of `bf16_attention_run`. \returns false if the
-/// fused decoding kernel saw a non-finite score (a non-finite key), true otherwise.
+/// fused decoding kernel saw a non-finite score (a non-finite key), true otherwise. `split`
+/// (float inputs; ignored for bf16 ones): the split score product of `Bf16Scores::Split`, on
+/// the operands of `split_bf16_operands` (O((n + m) d) more memory), or the fp32 form of the
+/// fused decoding kernel where that runs.
 template <typename In>
 bool tiled_attention_bf16(const Eigen::Ref<const Matrix<In>>& Q,
                           const Eigen::Ref<const Matrix<In>>& K,
                           const Eigen::Ref<const Matrix<In>>& V, const float* bias, float scale,
                           bool causal, const TilePlan& plan, Isa isa, Matrix<float>& out,
-                          Vector<float>& lse) {
+                          Vector<float>& lse, bool split = false) {
   const Index n = Q.rows(), m = K.rows(), dv = V.cols();
   // Also runs the detection (and the AMX permission request) if nothing did yet.
   EFFATTN_CHECK(isa_available(isa), cat("ExactAttention: the bf16 kernel path '", isa_name(isa),
                                         "' is not available on this machine (highest: '",
                                         isa_name(detected_isa()), "')"));
+  if constexpr (std::is_same_v<In, float>) {
+    if (split) {
+#if EFFATTN_BF16_X86
+      // The decoding kernel reads the fp32 K and V either way: its fp32 form computes the
+      // scores (and P V) in fp32, at the same memory rate.
+      if (bf16_decode_fused(n, plan, isa))
+        return fused_decode_run<false, float>(Q, K, V, bias, scale, causal, plan, out, lse);
+#endif
+      Matrix<float> q3, k3;
+      split_bf16_operands(Q, K, scale, q3, k3);
+      return tiled_attention_bf16<float>(q3, k3, V, bias, 1.0f, causal, plan, isa, out, lse);
+    }
+  }
   if (n <= kBf16StreamingMaxQueries && plan.q_blocks == 1) {
 #if EFFATTN_BF16_X86
     if (bf16_decode_fused(n, plan, isa))

@@ -86,6 +86,15 @@ void finish_tiled_result(const TilePlan& plan, bool deferred, bool scores_finite
   }
 }
 
+/// Whether `exact_bf16` splits the score product (`Bf16Scores`): float inputs only (a bf16 K has
+/// no remainder to add).
+template <typename In>
+bool bf16_split_scores(const ExactOptions& opts, Index d) noexcept {
+  return std::is_same_v<In, float> &&
+         (opts.bf16_scores == Bf16Scores::Split ||
+          (opts.bf16_scores == Bf16Scores::Auto && d <= kBf16SplitScoresMaxDim));
+}
+
 /// The TiledBf16 kernel on the path `selected_isa()` for inputs of scalar In (float or
 /// Eigen::bfloat16): validates them (`method` names the caller), fills r's output, lse, block
 /// sizes and info. When the fused decoding kernel runs (`bf16_decode_fused`), K and V are not
@@ -109,8 +118,9 @@ void exact_bf16(const Eigen::Ref<const Matrix<In>>& Q, const Eigen::Ref<const Ma
                      opts.causal, method, !deferred);
   const TilePlan plan =
       plan_bf16_tiles(Q.rows(), K.rows(), Q.cols(), V.cols(), opts.block_q, opts.block_k);
-  const bool scores_finite = tiled_attention_bf16<In>(Q, K, V, bias, static_cast<float>(scale),
-                                                      opts.causal, plan, isa, r.output, r.lse);
+  const bool scores_finite =
+      tiled_attention_bf16<In>(Q, K, V, bias, static_cast<float>(scale), opts.causal, plan, isa,
+                               r.output, r.lse, bf16_split_scores<In>(opts, Q.cols()));
   finish_tiled_result(plan, deferred, scores_finite, K.template cast<float>(),
                       V.template cast<float>(), r);
 }
