@@ -471,3 +471,48 @@ TEST_CASE("Bf16Scores: the option, its validation, and bf16 inputs (no remainder
   o.bf16_scores = static_cast<Bf16Scores>(7);
   CHECK_THROWS_WITH(ExactAttentionBf16{o}, Catch::Contains("bf16_scores"));
 }
+
+TEST_CASE("bf16: scores that overflow (finite inputs) give NumericalIssue, not a silent output",
+          "[bf16]") {
+  // Key 0 = (1e20, -1e20, 0, ...) against queries starting (1e20, 1e20): the two products
+  // overflow fp32 to +inf and -inf, and their sum is a NaN score, while every other score is
+  // finite (~1e19). The fused update of the x86 kernels (max and exp would drop the NaN) marks
+  // such a row NaN itself; the shared update propagates it. Either way info says so. A second
+  // case makes every score +inf.
+  for (const Index n : {64, 300}) {  // one and several query blocks
+    Rng rng = make_rng(5);
+    Matrix<float> Q = random_normal<float>(n, 64, rng), K = random_normal<float>(700, 64, rng);
+    const Matrix<float> V = random_normal<float>(700, 16, rng);
+    Q.leftCols(2).setConstant(1e20f);  // bf16(Q / 8) = 1.25e19: times 1e20 overflows
+    K.row(0).setZero();
+    K(0, 0) = 1e20f;
+    K(0, 1) = -1e20f;
+    for (const bool all_inf : {false, true}) {
+      if (all_inf) {
+        K.col(0).setConstant(1e20f);
+        K.col(1).setZero();
+      }
+      for (const Isa isa : all_isas()) {
+        if (!available_or_warn(isa)) continue;
+        INFO("n = " << n << ", path " << detail::isa_name(isa) << ", all_inf = " << all_inf);
+        const Bf16Out r = run_path<float>(isa, Q, K, V, nullptr, false);
+        CHECK(!r.out.array().isFinite().all());
+      }
+      CHECK(ExactAttentionBf16().compute(Q, K, V).info == Info::NumericalIssue);
+    }
+    // A score that overflows to -inf is a weight of 0, as exp(-inf) is: the output is the
+    // attention over the other keys.
+    // (The other keys are 0 in the two large query columns.)
+    K = random_normal<float>(700, 64, rng);
+    K.leftCols(2).setZero();
+    K(0, 0) = K(0, 1) = -1e20f;
+    const Reference ref = reference(Q, K.bottomRows(699), V.bottomRows(699), nullptr, false);
+    for (const Isa isa : all_isas()) {
+      if (!available_or_warn(isa)) continue;
+      INFO("-inf score, n = " << n << ", path " << detail::isa_name(isa));
+      const Bf16Out r = run_path<float>(isa, Q, K, V, nullptr, false);
+      REQUIRE(r.out.array().isFinite().all());
+      CHECK(rel_fro_error(r.out, ref.out) <= kRelTol);
+    }
+  }
+}

@@ -117,7 +117,8 @@ struct ExactResult : AttentionResult<Scalar> {
 ///   (bf16 values widened to float, Eigen GEMM), chosen once per process at run time
 ///   (`effattn::active_isa()`, `EFFATTN_ISA`; see core/isa.hpp). Q (times the scale), K and V are
 ///   rounded to bf16 once per call into packed panels; the online softmax (max, exp, row sums in
-///   double) stays fp32; P = exp(S - m) is rounded to bf16 for the P V product, as
+///   double) stays fp32 (on the x86 paths, tiles without mask or bias fuse it with the rounding
+///   of P, exp a ~3 ulp polynomial); P = exp(S - m) is rounded to bf16 for the P V product, as
 ///   FlashAttention does. Block sizes are multiples of 32 (`block_q` / `block_k` rounded up;
 ///   default 256 x 256). Native bf16 inputs: the `compute(Bf16Ref, ...)` overloads.
 ///   **Error model**: bf16 keeps 8 significand bits, so each rounding is a relative error
