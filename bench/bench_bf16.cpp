@@ -73,7 +73,6 @@ struct Runner {
   ExactOptions opts;
   Matrix<float> out;
   Vector<float> lse;
-  bool split = false;  ///< the split score product (`Bf16Scores::Split`)
   void operator()(const Matrix<float>& Q, const Matrix<float>& K, const Matrix<float>& V) {
     if (path == Path::Fp32) {
       auto r = ExactAttention<float>(opts).compute(Q, K, V);
@@ -84,18 +83,19 @@ struct Runner {
         detail::plan_bf16_tiles(Q.rows(), K.rows(), Q.cols(), V.cols(), opts.block_q, opts.block_k);
     const float scale = static_cast<float>(detail::resolve_scale(opts.scale, Q.cols()));
     detail::tiled_attention_bf16<float>(Q, K, V, nullptr, scale, opts.causal, plan, path_isa(path),
-                                        out, lse, split);
+                                        out, lse, detail::bf16_split_scores<float>(opts, Q.cols()));
   }
 };
 
 void bm_exact(benchmark::State& state, const std::string& name, Path path, Index d, bool causal,
-              bool split = false) {
+              Bf16Scores scores = Bf16Scores::Auto) {
   if (!path_available(state, path)) return;
   const Index n = state.range(0);
   const int threads = set_threads(0);
   const auto& w = cached_workload<float>(workloads::Kind::Gaussian, n, n, d, d);
-  Runner run{path, {}, {}, {}, split};
+  Runner run{path, {}, {}, {}};
   run.opts.causal = causal;
+  run.opts.bf16_scores = scores;
   const double sec = timed_loop(state, [&] {
     run(w.Q, w.K, w.V);
     benchmark::DoNotOptimize(run.out.data());
@@ -251,8 +251,11 @@ void register_all() {
         if (p == Path::Fp32 && split) continue;
         const std::string name = std::string("exact/") + path_name(p) + (split ? "-split" : "") +
                                  "/d" + std::to_string(d) + "/full/tall";
-        benchmark::RegisterBenchmark(
-            name.c_str(), [=](benchmark::State& s) { bm_exact(s, name, p, d, false, split); })
+        benchmark::RegisterBenchmark(name.c_str(),
+                                     [=](benchmark::State& s) {
+                                       bm_exact(s, name, p, d, false,
+                                                split ? Bf16Scores::Split : Bf16Scores::Single);
+                                     })
             ->Arg(4096)
             ->Unit(benchmark::kMillisecond)
             ->UseRealTime();

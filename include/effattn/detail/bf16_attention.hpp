@@ -98,6 +98,7 @@ inline void rescale_accumulator(Index rows, Bf16Workspace& ws) {
 template <typename Rounded = Bf16RoundedFloats>
 struct GenericBf16Kernel {
   const Rounded& r;
+  static constexpr bool kFusedSoftmax = false;  ///< the shared update on every tile
   Index acc_cols() const { return r.v.cols(); }
   Bf16Workspace workspace(Index bq_pad, Index bk_pad) const {
     return Bf16Workspace(bq_pad, bk_pad, acc_cols());
@@ -251,7 +252,7 @@ struct X86Bf16Kernel {
     pack_p_vnni(ws.t.s.data(), ld, rows_pad, cols, cols_pad, ws.pv.data());
     multiply_p(rows, j0, cols, ws);
   }
-  /// The online-softmax update of an unmasked tile with P packed (`softmax_pack_unmasked`).
+  /// Unmasked tiles: the fused update (`softmax_pack_unmasked`), then `multiply_p`.
   static constexpr bool kFusedSoftmax = true;
   void softmax_pack(Index rows, Index cols, Bf16Workspace& ws) const {
     softmax_pack_unmasked(rows, cols, round_up(cols, 32), ws.t.s.rows(), ws.t, ws.pv.data());
@@ -267,13 +268,6 @@ struct X86Bf16Kernel {
 };
 #endif
 
-/// Whether `Kernel` fuses the update of unmasked tiles with the packing of P (x86 kernels).
-template <typename Kernel, typename = void>
-struct has_fused_softmax : std::false_type {};
-template <typename Kernel>
-struct has_fused_softmax<Kernel, std::void_t<decltype(Kernel::kFusedSoftmax)>>
-    : std::bool_constant<Kernel::kFusedSoftmax> {};
-
 /// Decoding (`streams_kv`: a single block of few queries, so every key tile is visited once):
 /// K and V are read once, straight from the inputs, each tile rounded to bf16 into a cache-
 /// resident buffer as it streams by, and multiplied by Eigen's float GEMM. A product of two bf16
@@ -281,6 +275,7 @@ struct has_fused_softmax<Kernel, std::void_t<decltype(Kernel::kFusedSoftmax)>>
 /// operands, fp32 sums), at the memory bandwidth: the panels would read K and V twice.
 template <typename In>
 struct StreamingBf16Kernel {
+  static constexpr bool kFusedSoftmax = false;  ///< the shared update on every tile
   const Eigen::Ref<const Matrix<In>>& K;
   const Eigen::Ref<const Matrix<In>>& V;
   const Matrix<float>& q;  ///< bf16-rounded scale Q
@@ -332,7 +327,7 @@ void bf16_block(const Kernel& kern, const float* bias, bool causal, Index n, Ind
       if (bias != nullptr && bias[j0 + c] == ninf) column.setConstant(value);
     };
     const bool masked = diagonal || bias != nullptr;
-    if constexpr (has_fused_softmax<Kernel>::value) {
+    if constexpr (Kernel::kFusedSoftmax) {
       if (!masked) {
         kern.softmax_pack(rows, cols, ws);
         rescale_accumulator(rows, ws);
