@@ -58,9 +58,14 @@ Isa path_isa(Path p) {
   return p == Path::Amx ? Isa::Amx : p == Path::Avx512Bf16 ? Isa::Avx512Bf16 : Isa::Generic;
 }
 
+// Whether `p` runs on this machine (fp32 always; a bf16 path when its ISA is available).
+bool path_runs(Path p) {
+  return p == Path::Fp32 || detail::isa_available(path_isa(p));
+}
+
 // False (and the benchmark skipped with the reason) when the path is missing here.
 bool path_available(benchmark::State& state, Path p) {
-  if (p == Path::Fp32 || detail::isa_available(path_isa(p))) return true;
+  if (path_runs(p)) return true;
   state.SkipWithError((std::string("bf16 path '") + detail::isa_name(path_isa(p)) +
                        "' not available on this machine")
                           .c_str());
@@ -73,7 +78,7 @@ bool path_available(benchmark::State& state, Path p) {
 // AMX); the skipped rows still print their reason. The smoke rows ask for the fit too, so ctest
 // runs this registration on every machine.
 void fit_complexity(benchmark::internal::Benchmark* b, Path p) {
-  if (p == Path::Fp32 || detail::isa_available(path_isa(p))) b->Complexity(benchmark::oNSquared);
+  if (path_runs(p)) b->Complexity(benchmark::oNSquared);
 }
 
 // One exact-attention call on `path` (the bf16 paths through the driver, with the functor's plan).
