@@ -21,6 +21,7 @@
 #include "../core/random.hpp"
 #include "../core/softmax.hpp"
 #include "../core/types.hpp"
+#include "jacobi_svd.hpp"
 
 namespace effattn {
 namespace detail {
@@ -239,15 +240,17 @@ Matrix<Scalar> kep_orth(const Matrix<Scalar>& X) {
   return qr.householderQ() * Matrix<Scalar>::Identity(X.rows(), X.cols());
 }
 
-/// Thin SVD X = U diag(s) W^T with ONE engine, Eigen's BDCSVD: its divide and conquer for
-/// min(rows, cols) > 16, and its JacobiSVD fallback (taken when cols < the switch size) for
-/// smaller matrices and whenever divide and conquer returns non-finite values (Eigen 3.4's
-/// BDCSVD can on exactly degenerate inputs, e.g. a near-permutation softmax kernel with
-/// repeated rows). Raising the switch size above cols selects that fallback, which copies the
-/// result of `JacobiSVD<Matrix>(X, ComputeThinU | ComputeThinV)` unchanged.
+/// Thin SVD X = U diag(s) W^T for the dense oracle (policy::DenseSvd) with ONE engine, Eigen's
+/// BDCSVD: its divide and conquer for min(rows, cols) > 16, and its JacobiSVD fallback (taken when
+/// cols < the switch size) for smaller matrices and whenever divide and conquer returns non-finite
+/// values (Eigen 3.4's BDCSVD can on exactly degenerate inputs, e.g. a near-permutation softmax
+/// kernel with repeated rows). Raising the switch size above cols selects that fallback, which
+/// copies the result of `JacobiSVD<Matrix>(X, ComputeThinU | ComputeThinV)` unchanged. Only the
+/// oracle instantiates it (about 25 s of g++ -O2 per scalar type); the randomized and factorised
+/// engines, whose SVDs are n x (s + p) and p x p, use `thin_svd_qr_jacobi` (detail/jacobi_svd.hpp).
 template <typename Scalar>
-void kep_thin_svd(const Matrix<Scalar>& X, Matrix<Scalar>& U, Vector<Scalar>& s,
-                  Matrix<Scalar>& W) {
+void kep_thin_svd_dense(const Matrix<Scalar>& X, Matrix<Scalar>& U, Vector<Scalar>& s,
+                        Matrix<Scalar>& W) {
   Eigen::BDCSVD<Matrix<Scalar>> svd;
   const auto jacobi = [&] {
     svd.setSwitchSize(static_cast<int>(std::max<Index>(X.cols() + 1, 16)));
@@ -402,7 +405,7 @@ void kep_svd_dense(const KepKernelCtx<Scalar, Features>& c, Index want, double r
   const Matrix<Scalar> Kd = kep_dense_kernel(c);
   Matrix<Scalar> U, W;
   Vector<Scalar> s;
-  kep_thin_svd(Kd, U, s, W);
+  kep_thin_svd_dense(Kd, U, s, W);
   const Index r = kep_keep(s, want, rtol);
   out.He = U.leftCols(r);
   out.Hr = W.leftCols(r);
@@ -488,7 +491,7 @@ void kep_randomized_finish(const Matrix<Scalar>& Z, const Matrix<Scalar>& C,
                            kepsvgp::KsvdResult<Scalar>& out) {
   Matrix<Scalar> U, W;
   Vector<Scalar> s;
-  kep_thin_svd(C, U, s, W);
+  thin_svd_qr_jacobi(C, U, s, W);
   const Index r = kep_keep(s, want, rtol);
   out.He = U.leftCols(r);
   Matrix<Scalar> Wr = W.leftCols(r);
@@ -536,7 +539,7 @@ void kep_svd_factorized(const KepKernelCtx<Scalar, true>& c, Index want, double 
     const Matrix<Scalar> core = RA * RB.transpose();
     Matrix<Scalar> U, W;
     Vector<Scalar> s;
-    kep_thin_svd(core, U, s, W);
+    thin_svd_qr_jacobi(core, U, s, W);
     const Index r = kep_keep(s, want, rtol), k = s.size();
     out.He = QA * U.leftCols(r);
     out.Hr = QB * W.leftCols(r);
