@@ -13,6 +13,7 @@
 
 #include "core/checks.hpp"
 #include "core/errors.hpp"
+#include "core/gemm.hpp"
 #include "core/parallel.hpp"
 #include "core/types.hpp"
 #include "numerics/fft.hpp"
@@ -184,7 +185,9 @@ class QKOracle {
         [&](Index c, int&) {
           const Index r0 = c * kGatherRows, len = std::min(kGatherRows, rows - r0);
           g.middleRows(r0, len) =
-              (m_Q.middleRows(i0 + r0, len) * Kc.transpose()).template cast<double>();
+              ::effattn::detail::matmul<::effattn::detail::Op::N, ::effattn::detail::Op::T>(
+                  m_Q.middleRows(i0 + r0, len), Kc)
+                  .template cast<double>();
         });
     return g;
   }

@@ -23,6 +23,7 @@
 #include <utility>
 #include <vector>
 
+#include "gemm.hpp"
 #include "parallel.hpp"
 #include "softmax.hpp"
 #include "types.hpp"
@@ -205,9 +206,7 @@ void online_softmax_block(const ConstRef<Scalar>& Q, const ConstRef<Scalar>& Kt,
   for (Index j0 = k_begin; j0 < k_end; j0 += bk) {
     const Index cols = std::min(bk, k_end - j0);
     auto S = ws.s.topLeftCorner(bq, cols);
-    // block() rather than middleCols(): both GEMMs of the tile then multiply a workspace block by
-    // a Block<const ConstRef>, one product instantiation instead of two.
-    S.noalias() = q * Kt.block(0, j0, Kt.rows(), cols);
+    gemm(Update::Assign, S, q, Kt.middleCols(j0, cols));
     if (bias != nullptr)
       for (Index c = 0; c < cols; ++c) S.col(c).array() += bias[j0 + c];
     // Diagonal tile: key j is hidden from local rows r < j - off - i0 (a prefix of the column).
@@ -218,7 +217,7 @@ void online_softmax_block(const ConstRef<Scalar>& Q, const ConstRef<Scalar>& Kt,
       if (bias != nullptr && bias[j0 + c] == ninf) column.setConstant(value);
     };
     online_softmax_update<Scalar>(bq, cols, diagonal || bias != nullptr, hide, ws);
-    acc.noalias() += S * V.middleRows(j0, cols);
+    gemm(Update::Add, acc, S, V.middleRows(j0, cols));
   }
 }
 

@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "errors.hpp"
+#include "gemm.hpp"
 #include "parallel.hpp"
 #include "random.hpp"
 #include "types.hpp"
@@ -73,8 +74,8 @@ Matrix<double> exact_rows(const ConstRef<Scalar>& Qs, const std::vector<Index>& 
                    return;
                  }
                  auto Zc = Z.topLeftCorner(len, c);
-                 Zc.noalias() = K.topRows(len) *
-                                (Qs.middleRows(i0, c).transpose() * static_cast<Scalar>(beta));
+                 gemm<Op::N, Op::T>(Update::Assign, Zc, K.topRows(len), Qs.middleRows(i0, c),
+                                    static_cast<Scalar>(beta));
                  Matrix<double> num(dv, c);
                  for (Index j = 0; j < c; ++j) {
                    const Index lj = visible(i0 + j);
@@ -87,7 +88,7 @@ Matrix<double> exact_rows(const ConstRef<Scalar>& Qs, const std::vector<Index>& 
                    Zc.col(j).head(lj) = (Zc.col(j).head(lj).array() - mx).exp();
                    Zc.col(j).tail(len - lj).setZero();
                  }
-                 num.noalias() = (V.topRows(len).transpose() * Zc).template cast<double>();
+                 num = matmul<Op::T>(V.topRows(len), Zc).template cast<double>();
                  for (Index j = 0; j < c; ++j) {
                    const double den = Zc.col(j).template cast<double>().sum();
                    out.row(i0 + j) = den > 0 ? (num.col(j) / den).transpose()

@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "../core/errors.hpp"
+#include "../core/gemm.hpp"
 #include "../core/isa.hpp"
 #include "../core/online_softmax.hpp"
 #include "../core/parallel.hpp"
@@ -108,12 +109,13 @@ struct GenericBf16Kernel {
     f();
   }
   void scores(Index i0, Index rows, Index j0, Index cols, Bf16Workspace& ws) const {
-    ws.t.s.topLeftCorner(rows, cols).noalias() =
-        r.q.middleRows(i0, rows) * r.kt.block(0, j0, r.kt.rows(), cols);
+    gemm(Update::Assign, ws.t.s.topLeftCorner(rows, cols), r.q.middleRows(i0, rows),
+         r.kt.middleCols(j0, cols));
   }
   void accumulate(Index rows, Index j0, Index cols, Bf16Workspace& ws) const {
     round_tile_to_bf16(ws.t.s.data(), ws.t.s.rows(), rows, cols);
-    ws.acc.topRows(rows).noalias() += ws.t.s.topLeftCorner(rows, cols) * r.v.middleRows(j0, cols);
+    gemm(Update::Add, ws.acc.topRows(rows), ws.t.s.topLeftCorner(rows, cols),
+         r.v.middleRows(j0, cols));
   }
 };
 
@@ -290,14 +292,15 @@ struct StreamingBf16Kernel {
   void scores(Index i0, Index rows, Index j0, Index cols, Bf16Workspace& ws) const {
     for (Index c = 0; c < K.cols(); ++c)
       round_floats(K.data() + c * K.outerStride() + j0, cols, ws.k_tile.col(c).data());
-    ws.t.s.topLeftCorner(rows, cols).noalias() =
-        q.middleRows(i0, rows) * ws.k_tile.topRows(cols).transpose();
+    gemm<Op::N, Op::T>(Update::Assign, ws.t.s.topLeftCorner(rows, cols), q.middleRows(i0, rows),
+                       ws.k_tile.topRows(cols));
   }
   void accumulate(Index rows, Index j0, Index cols, Bf16Workspace& ws) const {
     for (Index c = 0; c < V.cols(); ++c)
       round_floats(V.data() + c * V.outerStride() + j0, cols, ws.v_tile.col(c).data());
     round_tile_to_bf16(ws.t.s.data(), ws.t.s.rows(), rows, cols);
-    ws.acc.topRows(rows).noalias() += ws.t.s.topLeftCorner(rows, cols) * ws.v_tile.topRows(cols);
+    gemm(Update::Add, ws.acc.topRows(rows), ws.t.s.topLeftCorner(rows, cols),
+         ws.v_tile.topRows(cols));
   }
 };
 

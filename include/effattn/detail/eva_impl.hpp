@@ -24,6 +24,7 @@
 
 #include "../core/checks.hpp"
 #include "../core/errors.hpp"
+#include "../core/gemm.hpp"
 #include "../core/online_softmax.hpp"
 #include "../core/parallel.hpp"
 #include "../core/random.hpp"
@@ -381,11 +382,12 @@ void eva_block(const EvaPlan& p, const EvaTask& t, const ConstRef<Scalar>& Q,
       const Index w = std::min(G, sg.len - j0);
       auto Sb = ws.s.block(0, sg.col + j0, R, w);
       if (sg.level < 0) {
-        Sb.noalias() = q * Kt.middleCols(sg.start + j0, w);
+        gemm(Update::Assign, Sb, q, Kt.middleCols(sg.start + j0, w));
       } else {
         const EvaLevel<Scalar>& L = lv[sg.level];
-        Sb.noalias() = q * L.repT.middleCols(sg.start + j0, w);
-        if (p.gauss) Sb.noalias() += ws.q2.topRows(R) * L.halfvarT.middleCols(sg.start + j0, w);
+        gemm(Update::Assign, Sb, q, L.repT.middleCols(sg.start + j0, w));
+        if (p.gauss)
+          gemm(Update::Add, Sb, ws.q2.topRows(R), L.halfvarT.middleCols(sg.start + j0, w));
         Sb.rowwise() += L.bias.segment(sg.start + j0, w);
       }
     }
@@ -406,7 +408,7 @@ void eva_block(const EvaPlan& p, const EvaTask& t, const ConstRef<Scalar>& Q,
     if (sg.level < 0) {
       for (Index j0 = 0; j0 < sg.len; j0 += G) {
         const Index w = std::min(G, sg.len - j0);
-        acc.noalias() += ws.s.block(0, sg.col + j0, R, w) * V.middleRows(sg.start + j0, w);
+        gemm(Update::Add, acc, ws.s.block(0, sg.col + j0, R, w), V.middleRows(sg.start + j0, w));
       }
       continue;
     }
@@ -414,7 +416,8 @@ void eva_block(const EvaPlan& p, const EvaTask& t, const ConstRef<Scalar>& Q,
     if (S == 1) {
       for (Index j0 = 0; j0 < sg.len; j0 += G) {
         const Index w = std::min(G, sg.len - j0);
-        acc.noalias() += ws.s.block(0, sg.col + j0, R, w) * L.values.middleRows(sg.start + j0, w);
+        gemm(Update::Add, acc, ws.s.block(0, sg.col + j0, R, w),
+             L.values.middleRows(sg.start + j0, w));
       }
       continue;
     }
@@ -427,7 +430,7 @@ void eva_block(const EvaPlan& p, const EvaTask& t, const ConstRef<Scalar>& Q,
       auto T = ws.t.topLeftCorner(R, width);
       for (Index x = 0; x < width; x += G) {
         const Index w = std::min(G, width - x);
-        T.middleCols(x, w).noalias() = q * L.omegaT.middleCols(c0 * S + x, w);
+        gemm(Update::Assign, T.middleCols(x, w), q, L.omegaT.middleCols(c0 * S + x, w));
       }
       T.rowwise() += L.pconst.segment(c0 * S, width);
       for (Index j = 0; j < cnt; ++j) {
@@ -447,7 +450,7 @@ void eva_block(const EvaPlan& p, const EvaTask& t, const ConstRef<Scalar>& Q,
       }
       for (Index x = 0; x < width; x += G) {
         const Index w = std::min(G, width - x);
-        acc.noalias() += T.middleCols(x, w) * L.values.middleRows(c0 * S + x, w);
+        gemm(Update::Add, acc, T.middleCols(x, w), L.values.middleRows(c0 * S + x, w));
       }
     }
   }
@@ -736,28 +739,28 @@ typename PerformerAttention<Scalar_>::Gradients PerformerAttention<Scalar_>::bac
   const MatD Qt = Q.template cast<double>() * rs, Kt = K.template cast<double>() * rs;
   const MatD Vd = V.template cast<double>(), dOd = dO.template cast<double>();
   // Key side: l (S x m) -> beta = row softmax, a = row log-sum-exp, B = beta V.
-  MatD beta = W * Kt.transpose();
+  MatD beta = detail::matmul<detail::Op::N, detail::Op::T>(W, Kt);
   beta.rowwise() -= 0.5 * Kt.rowwise().squaredNorm().transpose();
   const Vector<double> a = row_softmax_inplace(beta);
-  const MatD B = beta * Vd;  // S x dv
+  const MatD B = detail::matmul(beta, Vd);  // S x dv
   // Query side: g = Qt W^T + 1 a^T, pi = row softmax, O = pi B.
-  MatD pi = Qt * W.transpose();
+  MatD pi = detail::matmul<detail::Op::N, detail::Op::T>(Qt, W);
   pi.rowwise() += a.transpose();
   row_softmax_inplace(pi);
-  const MatD O = pi * B;
+  const MatD O = detail::matmul(pi, B);
   // Softmax backward over the features, then over the keys.
-  const MatD dB = pi.transpose() * dOd;
-  MatD dg = dOd * B.transpose();
+  const MatD dB = detail::matmul<detail::Op::T>(pi, dOd);
+  MatD dg = detail::matmul<detail::Op::N, detail::Op::T>(dOd, B);
   dg.colwise() -= dOd.cwiseProduct(O).rowwise().sum();
   dg = pi.cwiseProduct(dg);
-  MatD dl = dB * Vd.transpose();  // S x m
+  MatD dl = detail::matmul<detail::Op::N, detail::Op::T>(dB, Vd);  // S x m
   Vector<double> shift = dB.cwiseProduct(B).rowwise().sum() - dg.colwise().sum().transpose();
   dl.colwise() -= shift;
   dl = beta.cwiseProduct(dl);
   Gradients g;
-  g.dQ = (rs * (dg * W)).template cast<Scalar>();
-  g.dV = (beta.transpose() * dB).template cast<Scalar>();
-  MatD dKt = dl.transpose() * W;  // m x d
+  g.dQ = detail::matmul(dg, W, rs).template cast<Scalar>();  // Eigen: rs (dg W) = (rs dg) W
+  g.dV = detail::matmul<detail::Op::T>(beta, dB).template cast<Scalar>();
+  MatD dKt = detail::matmul<detail::Op::T>(dl, W);  // m x d
   dKt -= Kt.cwiseProduct(dl.colwise().sum().transpose().replicate(1, d));
   g.dK = (rs * dKt).template cast<Scalar>();
   return g;

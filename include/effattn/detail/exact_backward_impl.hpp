@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "../core/checks.hpp"
+#include "../core/gemm.hpp"
 #include "../core/online_softmax.hpp"
 #include "../core/parallel.hpp"
 #include "../core/softmax.hpp"
@@ -34,13 +35,13 @@ void exact_naive_backward(const ConstRef<Scalar>& Q, const ConstRef<Scalar>& K,
   MatD P;
   (void)naive_probabilities<Scalar>(Q, K, bias, scale, causal, P);
   const MatD dOd = dO.template cast<double>();
-  MatD dS = dOd * V.template cast<double>().transpose();  // dP
+  MatD dS = matmul<Op::N, Op::T>(dOd, MatD(V.template cast<double>()));  // dP
   const Vector<double> D = P.cwiseProduct(dS).rowwise().sum();
   dS.colwise() -= D;
   dS = P.cwiseProduct(dS);
-  g.dV = (P.transpose() * dOd).template cast<Scalar>();
-  g.dQ = (scale * (dS * K.template cast<double>())).template cast<Scalar>();
-  g.dK = (scale * (dS.transpose() * Q.template cast<double>())).template cast<Scalar>();
+  g.dV = matmul<Op::T>(P, dOd).template cast<Scalar>();
+  g.dQ = matmul(dS, MatD(K.template cast<double>()), scale).template cast<Scalar>();
+  g.dK = matmul<Op::T>(dS, MatD(Q.template cast<double>()), scale).template cast<Scalar>();
   if (bias != nullptr) g.dbias = dS.colwise().sum().transpose().template cast<Scalar>();
 }
 
@@ -84,7 +85,7 @@ template <typename Scalar>
 void backward_tile(BackwardProblem<Scalar>& pr, Index b, Index t, BackwardWorkspace<Scalar>& ws,
                    Matrix<Scalar>& dQ) {
   constexpr Scalar ninf = -std::numeric_limits<Scalar>::infinity();
-  const Index n = pr.Qs.rows(), m = pr.Kt.cols(), d = pr.Qs.cols(), dv = pr.Vt.rows();
+  const Index n = pr.Qs.rows(), m = pr.Kt.cols();
   const Index off = m - n;  // causal: row i sees keys j <= i + off
   const Index i0 = b * pr.bq, rows = std::min(pr.bq, n - i0);
   const Index j0 = t * pr.bk, cols = std::min(pr.bk, m - j0);
@@ -100,7 +101,7 @@ void backward_tile(BackwardProblem<Scalar>& pr, Index b, Index t, BackwardWorksp
   auto D_b = ws.d_row.head(rows);
   D_b = pr.D.segment(i0, rows).array();
 
-  P.noalias() = Qs_b * pr.Kt.block(0, j0, d, cols);
+  gemm(Update::Assign, P, Qs_b, pr.Kt.middleCols(j0, cols));
   for (Index c = 0; c < cols; ++c) {
     if (pr.bias != nullptr) P.col(c).array() += pr.bias[j0 + c];
     P.col(c).array() = (P.col(c).array() - lse_b).exp();
@@ -109,11 +110,11 @@ void backward_tile(BackwardProblem<Scalar>& pr, Index b, Index t, BackwardWorksp
     if (diagonal) P.col(c).head(hidden_rows(c)).setZero();
     if (pr.bias != nullptr && pr.bias[j0 + c] == ninf) P.col(c).setZero();
   }
-  dS.noalias() = dO_b * pr.Vt.block(0, j0, dv, cols);  // dP
-  pr.dV.middleRows(j0, cols).noalias() += P.transpose() * dO_b;
+  gemm(Update::Assign, dS, dO_b, pr.Vt.middleCols(j0, cols));  // dP
+  gemm<Op::T>(Update::Add, pr.dV.middleRows(j0, cols), P, dO_b);
   for (Index c = 0; c < cols; ++c) dS.col(c).array() = P.col(c).array() * (dS.col(c).array() - D_b);
-  pr.dK.middleRows(j0, cols).noalias() += dS.transpose() * Qs_b;
-  dQ.middleRows(i0, rows).noalias() += dS * pr.K.middleRows(j0, cols);
+  gemm<Op::T>(Update::Add, pr.dK.middleRows(j0, cols), dS, Qs_b);
+  gemm(Update::Add, dQ.middleRows(i0, rows), dS, pr.K.middleRows(j0, cols));
   if (pr.dbias != nullptr)
     for (Index c = 0; c < cols; ++c) (*pr.dbias)(j0 + c) += dS.col(c).template cast<double>().sum();
 }

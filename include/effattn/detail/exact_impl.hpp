@@ -10,6 +10,7 @@
 #include <type_traits>
 
 #include "../core/checks.hpp"
+#include "../core/gemm.hpp"
 #include "../core/isa.hpp"
 #include "../core/online_softmax.hpp"
 #include "../core/softmax.hpp"
@@ -30,7 +31,10 @@ Vector<double> naive_probabilities(const ConstRef<Scalar>& Q, const ConstRef<Sca
                                    Matrix<double>& S) {
   const Index n = Q.rows(), m = K.rows();
   const Index off = m - n;
-  S.noalias() = (Q.template cast<double>() * scale) * K.template cast<double>().transpose();
+  // As Eigen evaluates (Q.cast<double>() * scale) * K.cast<double>().transpose(): both casts
+  // materialised, the scale applied as the GEMM's alpha.
+  gemm<Op::N, Op::T>(Update::Assign, S, Matrix<double>(Q.template cast<double>()),
+                     Matrix<double>(K.template cast<double>()), scale);
   if (bias != nullptr)
     for (Index j = 0; j < m; ++j) S.col(j).array() += static_cast<double>(bias[j]);
   if (causal)
@@ -49,7 +53,7 @@ void exact_naive(const ConstRef<Scalar>& Q, const ConstRef<Scalar>& K, const Con
                  Vector<Scalar>& lse) {
   Matrix<double> S;
   const Vector<double> lse_d = naive_probabilities<Scalar>(Q, K, bias, scale, causal, S);
-  const Matrix<double> O = S * V.template cast<double>();
+  const Matrix<double> O = matmul(S, Matrix<double>(V.template cast<double>()));
   out = O.template cast<Scalar>();
   lse = lse_d.template cast<Scalar>();
 }

@@ -17,6 +17,7 @@
 
 #include "../core/checks.hpp"
 #include "../core/errors.hpp"
+#include "../core/gemm.hpp"
 #include "../core/parallel.hpp"
 #include "../core/random.hpp"
 #include "../core/softmax.hpp"
@@ -63,7 +64,7 @@ template <typename Scalar>
 void kep_kernel_block(const KepKernelCtx<Scalar, false>& c, Index r0, Index rows,
                       KepBlockWs<Scalar>& ws) {
   auto P = ws.P.topRows(rows);
-  P.noalias() = c.Q->middleRows(r0, rows) * c.Kt;
+  gemm(Update::Assign, P, c.Q->middleRows(r0, rows), c.Kt);
   auto inv = ws.inv.head(rows);
   if (!c.softmax) {
     P = (P.array() - c.shift).exp().matrix();
@@ -104,11 +105,11 @@ Matrix<Scalar> kep_apply(const KepKernelCtx<Scalar, Features>& c, const Matrix<S
   Matrix<Scalar> Y(c.n, X.cols());
   if constexpr (Features) {
     run_serial([&] {
-      Y.noalias() = c.A * (c.B.transpose() * X);
+      gemm(Update::Assign, Y, c.A, matmul<Op::T>(c.B, X));
       if (row_sq) {
-        const Matrix<double> G = (c.B.transpose() * c.B).template cast<double>();
+        const Matrix<double> G = matmul<Op::T>(c.B, c.B).template cast<double>();
         const Matrix<double> Ad = c.A.template cast<double>();
-        *row_sq = (Ad * G).cwiseProduct(Ad).rowwise().sum();
+        *row_sq = matmul(Ad, G).cwiseProduct(Ad).rowwise().sum();
       }
     });
   } else {
@@ -120,7 +121,7 @@ Matrix<Scalar> kep_apply(const KepKernelCtx<Scalar, Features>& c, const Matrix<S
           kep_kernel_block(c, r0, rows, ws);
           const auto P = ws.P.topRows(rows);
           const auto inv = ws.inv.head(rows);
-          Y.middleRows(r0, rows).noalias() = P * X;
+          gemm(Update::Assign, Y.middleRows(r0, rows), P, X);
           Y.middleRows(r0, rows) = inv.asDiagonal() * Y.middleRows(r0, rows);
           if (row_sq) {
             auto sq = ws.sum.head(rows);
@@ -142,11 +143,11 @@ Matrix<Scalar> kep_apply_transpose(const KepKernelCtx<Scalar, Features>& c, cons
   if constexpr (Features) {
     Matrix<Scalar> Z;
     run_serial([&] {
-      Z = c.B * (c.A.transpose() * X);
+      Z = matmul(c.B, matmul<Op::T>(c.A, X));
       if (col_sq) {
-        const Matrix<double> G = (c.A.transpose() * c.A).template cast<double>();
+        const Matrix<double> G = matmul<Op::T>(c.A, c.A).template cast<double>();
         const Matrix<double> Bd = c.B.template cast<double>();
-        *col_sq = (Bd * G).cwiseProduct(Bd).rowwise().sum();
+        *col_sq = matmul(Bd, G).cwiseProduct(Bd).rowwise().sum();
       }
     });
     return Z;
@@ -168,7 +169,7 @@ Matrix<Scalar> kep_apply_transpose(const KepKernelCtx<Scalar, Features>& c, cons
             const auto inv = ws.inv.head(rows);
             auto W = ws.Y.topRows(rows);
             W = inv.asDiagonal() * X.middleRows(r0, rows);  // K_b^T X_b = P^T diag(inv) X_b
-            Zg.noalias() += P.transpose() * W;
+            gemm<Op::T>(Update::Add, Zg, P, W);
             if (col_sq) {
               inv_d = inv.array().template cast<double>().square();
               auto& cs = csq[static_cast<std::size_t>(g)];
@@ -190,7 +191,7 @@ template <typename Scalar, bool Features>
 Matrix<Scalar> kep_apply_gram(const KepKernelCtx<Scalar, Features>& c, const Matrix<Scalar>& X) {
   if constexpr (Features) {
     Matrix<Scalar> Z;
-    run_serial([&] { Z = c.B * ((c.A.transpose() * c.A) * (c.B.transpose() * X)); });
+    run_serial([&] { Z = matmul(c.B, matmul(matmul<Op::T>(c.A, c.A), matmul<Op::T>(c.B, X))); });
     return Z;
   } else {
     const Index nb = c.num_blocks(), groups = std::min(kKepGroups, nb);
@@ -205,9 +206,9 @@ Matrix<Scalar> kep_apply_gram(const KepKernelCtx<Scalar, Features>& c, const Mat
             kep_kernel_block(c, r0, rows, ws);
             const auto P = ws.P.topRows(rows);
             auto W = ws.Y.topRows(rows);
-            W.noalias() = P * X;
+            gemm(Update::Assign, W, P, X);
             W = ws.inv.head(rows).array().square().matrix().asDiagonal() * W;
-            Zg.noalias() += P.transpose() * W;
+            gemm<Op::T>(Update::Add, Zg, P, W);
           }
         });
     return kep_sum_groups(part);
@@ -218,7 +219,7 @@ Matrix<Scalar> kep_apply_gram(const KepKernelCtx<Scalar, Features>& c, const Mat
 template <typename Scalar, bool Features>
 Matrix<Scalar> kep_dense_kernel(const KepKernelCtx<Scalar, Features>& c) {
   if constexpr (Features) {
-    return c.A * c.B.transpose();
+    return matmul<Op::N, Op::T>(c.A, c.B);
   } else {
     Matrix<Scalar> Kd(c.n, c.m);
     parallel_for(
@@ -313,7 +314,7 @@ void kep_prepare_dense(KepKernelCtx<Scalar, false>& c, const ConstRef<Scalar>& Q
       c.num_blocks(), [] { return Matrix<Scalar>(); },
       [&](Index b, Matrix<Scalar>& L) {
         const Index r0 = b * c.block, rows = std::min(c.block, c.n - r0);
-        L.noalias() = Q.middleRows(r0, rows) * c.Kt;
+        gemm(Update::Assign, L, Q.middleRows(r0, rows), c.Kt);
         mx[static_cast<std::size_t>(b)] = L.maxCoeff();
       });
   c.shift = *std::max_element(mx.begin(), mx.end());
@@ -412,8 +413,8 @@ void kep_svd_dense(const KepKernelCtx<Scalar, Features>& c, Index want, double r
   out.lambda = s.head(r);
   out.spectrum = s;
   kep_canonical_signs(out.He, out.Hr);
-  out.E.noalias() = Kd * out.Hr;
-  out.R.noalias() = Kd.transpose() * out.He;
+  gemm(Update::Assign, out.E, Kd, out.Hr);
+  gemm<Op::T>(Update::Assign, out.R, Kd, out.He);
   // Residuals formed directly from K (no cancellation): (K - K_s) and (K - H_e H_e^T K).
   Matrix<double> Res = Kd.template cast<double>();
   Res.noalias() -= out.E.template cast<double>() * out.Hr.template cast<double>().transpose();
@@ -495,7 +496,7 @@ void kep_randomized_finish(const Matrix<Scalar>& Z, const Matrix<Scalar>& C,
   const Index r = kep_keep(s, want, rtol);
   out.He = U.leftCols(r);
   Matrix<Scalar> Wr = W.leftCols(r);
-  out.Hr.noalias() = Z * Wr;
+  gemm(Update::Assign, out.Hr, Z, Wr);
   out.lambda = s.head(r);
   out.spectrum = s;
   for (Index k = 0; k < r; ++k) {
@@ -507,7 +508,7 @@ void kep_randomized_finish(const Matrix<Scalar>& Z, const Matrix<Scalar>& C,
       Wr.col(k) = -Wr.col(k);
     }
   }
-  out.E.noalias() = C * Wr;
+  gemm(Update::Assign, out.E, C, Wr);
   out.res_row = kep_clamped_diff(rsq, out.E.template cast<double>().rowwise().squaredNorm())
                     .template cast<Scalar>();
   out.sketch = Z.cols();
@@ -536,20 +537,22 @@ void kep_svd_factorized(const KepKernelCtx<Scalar, true>& c, Index want, double 
     const Matrix<Scalar> QB = qb.householderQ() * Matrix<Scalar>::Identity(c.m, pb);
     const Matrix<Scalar> RA = qa.matrixQR().topRows(pa).template triangularView<Eigen::Upper>();
     const Matrix<Scalar> RB = qb.matrixQR().topRows(pb).template triangularView<Eigen::Upper>();
-    const Matrix<Scalar> core = RA * RB.transpose();
+    const Matrix<Scalar> core = matmul<Op::N, Op::T>(RA, RB);
     Matrix<Scalar> U, W;
     Vector<Scalar> s;
     thin_svd_qr_jacobi(core, U, s, W);
     const Index r = kep_keep(s, want, rtol), k = s.size();
-    out.He = QA * U.leftCols(r);
-    out.Hr = QB * W.leftCols(r);
+    out.He = matmul(QA, U.leftCols(r));
+    out.Hr = matmul(QB, W.leftCols(r));
     out.lambda = s.head(r);
     out.spectrum = s;
     kep_canonical_signs(out.He, out.Hr);
-    out.E.noalias() = c.A * (c.B.transpose() * out.Hr);
-    out.R.noalias() = c.B * (c.A.transpose() * out.He);
-    const Matrix<Scalar> TA = QA * (U.rightCols(k - r) * s.tail(k - r).asDiagonal());
-    const Matrix<Scalar> TB = QB * (W.rightCols(k - r) * s.tail(k - r).asDiagonal());
+    gemm(Update::Assign, out.E, c.A, matmul<Op::T>(c.B, out.Hr));
+    gemm(Update::Assign, out.R, c.B, matmul<Op::T>(c.A, out.He));
+    const Matrix<Scalar> TA =
+        matmul(QA, Matrix<Scalar>(U.rightCols(k - r) * s.tail(k - r).asDiagonal()));
+    const Matrix<Scalar> TB =
+        matmul(QB, Matrix<Scalar>(W.rightCols(k - r) * s.tail(k - r).asDiagonal()));
     out.res_row = TA.template cast<double>().rowwise().squaredNorm().template cast<Scalar>();
     out.res_col = TB.template cast<double>().rowwise().squaredNorm().template cast<Scalar>();
     out.sketch = k;
@@ -566,7 +569,7 @@ void kep_add_vp_variance(const Matrix<Scalar>& F, const Vector<Scalar>& inv,
     const Matrix<Scalar> L = vp.L_u[static_cast<std::size_t>(j)]
                                  .topLeftCorner(r, r)
                                  .template triangularView<Eigen::Lower>();
-    const Matrix<Scalar> T = G * L;
+    const Matrix<Scalar> T = matmul(G, L);
     var.col(j).head(G.rows()) +=
         T.template cast<double>().rowwise().squaredNorm().template cast<Scalar>();
   }
@@ -732,18 +735,19 @@ void KepSvgpAttention<Scalar_, Kernel, Svd, Merge>::assemble(Result& res, const 
   if (vp)
     coef_e = inv.asDiagonal() * vp->m_u.topRows(r);
   else
-    coef_e.noalias() = ks.Hr.transpose() * V;  // Lambda^-1 (Lambda H_r^T V)
+    detail::gemm<detail::Op::T>(detail::Update::Assign, coef_e, ks.Hr,
+                                V);  // Lambda^-1 (Lambda H_r^T V)
   MatrixType mean_e = MatrixType::Zero(n, dv), var_e = MatrixType::Zero(n, dv);
-  if (r > 0) mean_e.noalias() = ks.E * coef_e;
+  if (r > 0) detail::gemm(detail::Update::Assign, mean_e, ks.E, coef_e);
   if (full) var_e = ks.res_row * res.prior_variance.transpose();
   if constexpr (kEOnly) {
     if (vp && r > 0) detail::kep_add_vp_variance(ks.E, inv, *vp, var_e);
     res.output = std::move(mean_e);
     res.variance = std::move(var_e);
   } else {
-    const MatrixType coef_r = transpose && !vp ? MatrixType(ks.He.transpose() * V) : coef_e;
+    const MatrixType coef_r = transpose && !vp ? detail::matmul<detail::Op::T>(ks.He, V) : coef_e;
     MatrixType mean_r = MatrixType::Zero(m, dv), var_r = MatrixType::Zero(m, dv);
-    if (r > 0) mean_r.noalias() = ks.R * coef_r;
+    if (r > 0) detail::gemm(detail::Update::Assign, mean_r, ks.R, coef_r);
     if (full) var_r = ks.res_col * res.prior_variance.transpose();
     if constexpr (kAdd) {
       res.output = mean_e + mean_r;
@@ -863,7 +867,8 @@ KepSvgpAttention<Scalar_, Kernel, Svd, Merge>::draw(const Ref& Q, const Ref& K, 
       fill_normal(Xi, rng);
       MatrixType resid = detail::kep_apply(c, Xi);
       detail::run_serial([&] {
-        if (r > 0) resid.noalias() -= ks.E * (ks.Hr.transpose() * Xi);
+        if (r > 0)
+          detail::gemm(detail::Update::Sub, resid, ks.E, detail::matmul<detail::Op::T>(ks.Hr, Xi));
         out += resid * res.prior_variance.cwiseSqrt().asDiagonal();
       });
     }

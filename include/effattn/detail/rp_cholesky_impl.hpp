@@ -26,6 +26,7 @@
 
 #include "../core/checks.hpp"
 #include "../core/errors.hpp"
+#include "../core/gemm.hpp"
 #include "../core/parallel.hpp"
 #include "../core/random.hpp"
 #include "../core/types.hpp"
@@ -267,20 +268,20 @@ void lower_solve_in_place(const Eigen::Ref<const Matrix<S>>& L, RowsRef<S> R) {
   auto R1 = R.topRows(h);
   auto R2 = R.bottomRows(a - h);
   lower_solve_in_place<S>(L.topLeftCorner(h, h), R1);
-  R2.noalias() -= L.bottomLeftCorner(a - h, h) * R1;
+  // R2 -= L21 R1 on row-major R, written as R2^T -= R1^T L21^T on column-major views.
+  gemm<Op::N, Op::T>(Update::Sub, R2.transpose(), R1.transpose(), L.bottomLeftCorner(a - h, h));
   lower_solve_in_place<S>(L.bottomRightCorner(a - h, a - h), R2);
 }
 
-/// dst = lhs rhs for a row-major lhs and column-major rhs and dst: the one product expression that
-/// the kernels' row blocks, their principal submatrices and the Nystrom products (numerics/
-/// nystrom.hpp) share. Eigen instantiates its whole product machinery (GEMM, GEMV and small-size
-/// coefficient paths) once per distinct expression type, so routing these products through one
-/// signature instead of one expression each saves that instantiation twice over. Every argument
-/// binds without a copy (a row-major destination is passed transposed).
+/// dst = lhs rhs for a row-major lhs and column-major rhs and dst: the kernels' row blocks, their
+/// principal submatrices and the Nystrom products (numerics/nystrom.hpp) share this signature, a
+/// `gemm` with a transposed first operand (core/gemm.hpp: one product instantiation per scalar
+/// for the whole library). Every argument binds without a copy (a row-major destination is passed
+/// transposed).
 template <typename S>
 void product_rc(Eigen::Ref<Matrix<S>> dst, const Eigen::Ref<const RowMajorMatrix<S>>& lhs,
                 const Eigen::Ref<const Matrix<S>>& rhs) {
-  dst.noalias() = lhs * rhs;
+  gemm<Op::T, Op::N>(Update::Assign, dst, lhs.transpose(), rhs);
 }
 
 /// Columns per tile of the accelerated block update and of the Gaussian kernels' rows.
@@ -417,7 +418,9 @@ void rp_run_accelerated(const Kernel& kernel, RpWork<S>& st, Rng& rng, Index blo
     rp_for_tiles(tiles, a, [&](Index t) {
       const Index c0 = t * kRpTile, w = std::min(kRpTile, st.m - c0);
       auto Rt = R.middleCols(c0, w);
-      if (k0 > 0) Rt.noalias() -= Fa.transpose() * st.F.topRows(k0).middleCols(c0, w);
+      // Rt -= Fa^T F(:, tile) on row-major F and R, as Rt^T -= F(:, tile)^T Fa (column-major).
+      if (k0 > 0)
+        gemm(Update::Sub, Rt.transpose(), st.F.topRows(k0).middleCols(c0, w).transpose(), Fa);
       lower_solve_in_place<S>(Ls, Rt);
     });
     for (Index t = 0; t < a; ++t) {

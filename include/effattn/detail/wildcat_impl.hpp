@@ -16,6 +16,7 @@
 
 #include "../core/checks.hpp"
 #include "../core/errors.hpp"
+#include "../core/gemm.hpp"
 #include "../core/parallel.hpp"
 #include "../core/probe.hpp"
 #include "../core/random.hpp"
@@ -437,7 +438,7 @@ void wtd_tile(const WtdContext<Scalar>& cx, const ConstRef<Scalar>& Q, const Wil
   } else {
     auto Z = ws.Z.leftCols(t);
     auto N = ws.N.leftCols(t);
-    Z.noalias() = cx.ks * Q.middleRows(i0, t).transpose();  // r x t logits
+    gemm<Op::N, Op::T>(Update::Assign, Z, cx.ks, Q.middleRows(i0, t));  // r x t logits
     Z.colwise() += cx.ell;
     for (Index j = 0; j < t; ++j) {
       auto z = Z.col(j);
@@ -445,7 +446,7 @@ void wtd_tile(const WtdContext<Scalar>& cx, const ConstRef<Scalar>& Q, const Wil
       const Scalar mx = z.maxCoeff();
       z = (z.array() - mx).exp();  // max-shifted: every entry in (0, 1]
     }
-    N.noalias() = cx.augT * Z;  // (dv + 2) x t: numerators, denominator, |w|-denominator
+    gemm(Update::Assign, N, cx.augT, Z);  // (dv + 2) x t: numerators, denominator, |w|-denominator
     auto O = ws.O.leftCols(t);
     for (Index j = 0; j < t; ++j) {
       const Scalar den = N(dv, j), absden = N(dv + 1, j);
@@ -463,8 +464,13 @@ void wtd_tile(const WtdContext<Scalar>& cx, const ConstRef<Scalar>& Q, const Wil
     }
     out.middleRows(i0, t) = O.transpose();
   }
-  if (cx.centresT.size() > 0)
-    ws.C.topRows(t).noalias() = Q.middleRows(i0, t).template cast<double>() * cx.centresT;
+  if (cx.centresT.size() > 0) {
+    if constexpr (std::is_same_v<Scalar, double>)
+      gemm(Update::Assign, ws.C.topRows(t), Q.middleRows(i0, t), cx.centresT);
+    else  // the cast materialised, as Eigen's product of the cast expression does
+      gemm(Update::Assign, ws.C.topRows(t),
+           Matrix<double>(Q.middleRows(i0, t).template cast<double>()), cx.centresT);
+  }
   const Vector<double> qnorm = row_squared_norms(Q.middleRows(i0, t)).cwiseSqrt();
   // Error bound (Lemmas 1 + 2, rows independently; see WildcatResult::error_bound), vectorised
   // over blocks. L(j, k): log of compressed block k's bound on ||a_k - ahat_k||_2^2 (uncentred

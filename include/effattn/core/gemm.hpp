@@ -1,0 +1,109 @@
+/// \file gemm.hpp
+/// \brief One entry point for the library's matrix-matrix products: C (=, +=, -=) alpha op(A)
+/// op(B) on column-major operands, each an Eigen `Matrix`, `Ref`, `Map` or a block of one.
+///
+/// Why it exists: every distinct operand type of an Eigen product instantiates its own product
+/// evaluator, GEMM functor and OpenMP-parallel driver (`parallelize_gemm`), about half a second
+/// of g++ -O2 each. Written inline, the methods' products came to 44 such drivers in a user file
+/// that calls every functor once. Funnelled through `gemm` they bind to `Eigen::Ref` (no copy: a
+/// static check refuses operands that would need one) and instantiate once per scalar type and
+/// transposition pair.
+///
+/// The result is bit-identical to writing `C.noalias() = alpha * op(A) * op(B)` (or `+=`, `-=`)
+/// inline: Eigen's blocking, its small-product (coefficient-based) path and the final scaling by
+/// alpha depend on the run-time sizes only, never on the operand's expression type.
+#pragma once
+
+#include <type_traits>
+
+#include "types.hpp"
+
+namespace effattn {
+namespace detail {
+
+/// Whether an operand enters the product as stored or transposed.
+enum class Op { N, T };
+
+/// What `gemm` does with the product: C = P, C += P or C -= P.
+enum class Update { Assign, Add, Sub };
+
+/// True when `Ref<const Matrix<Scalar>>` binds to an expression of type D without a copy: direct
+/// access to column-major storage (a column block of a matrix is fine, a row of one is not).
+template <typename D>
+inline constexpr bool gemm_operand_v =
+    (int(Eigen::internal::traits<D>::Flags) & Eigen::DirectAccessBit) != 0 &&
+    (int(Eigen::internal::traits<D>::Flags) & Eigen::RowMajorBit) == 0 &&
+    int(Eigen::internal::traits<D>::InnerStrideAtCompileTime) == 1;
+
+/// The instantiated kernel behind `gemm` (one per Scalar, OA, OB); kept out of line so each call
+/// site compiles to a call, not to another copy of Eigen's product.
+template <Op OA, Op OB, typename Scalar>
+EIGEN_DONT_INLINE void gemm_ref(Update update, Eigen::Ref<Matrix<Scalar>> C,
+                                const ConstRef<Scalar>& A, const ConstRef<Scalar>& B,
+                                Scalar alpha) {
+  const auto run = [&](const auto& a, const auto& b) {
+    switch (update) {
+      case Update::Assign:
+        C.noalias() = alpha * a * b;
+        break;
+      case Update::Add:
+        C.noalias() += alpha * a * b;
+        break;
+      case Update::Sub:
+        C.noalias() -= alpha * a * b;
+        break;
+    }
+  };
+  if constexpr (OA == Op::N && OB == Op::N)
+    run(A, B);
+  else if constexpr (OA == Op::N)
+    run(A, B.transpose());
+  else if constexpr (OB == Op::N)
+    run(A.transpose(), B);
+  else
+    run(A.transpose(), B.transpose());
+}
+
+/// C (=, +=, -=) alpha op(A) op(B), with `op` chosen by OA and OB (`Op::T` transposes) and the
+/// update by `update`. C, A and B are column-major with unit inner stride (a `Matrix`, `Ref`,
+/// `Map` or a block of one; checked at compile time, so nothing is copied) and C must not alias
+/// A or B. Cost: Eigen's GEMM (or GEMV when C has one column), 2 m n k flops.
+template <Op OA = Op::N, Op OB = Op::N, typename DC, typename DA, typename DB>
+inline void gemm(Update update, DC&& C, const DA& A, const DB& B,
+                 typename DA::Scalar alpha = typename DA::Scalar(1)) {
+  using Scalar = typename DA::Scalar;
+  using C_t = std::remove_cv_t<std::remove_reference_t<DC>>;
+  static_assert(
+      std::is_same_v<typename DB::Scalar, Scalar> && std::is_same_v<typename C_t::Scalar, Scalar>,
+      "gemm: operands of one scalar type");
+  static_assert(gemm_operand_v<DA> && gemm_operand_v<DB> && gemm_operand_v<C_t>,
+                "gemm: operands must be column-major with direct access (no hidden copy)");
+  // A compile-time vector takes Eigen's GEMV product, whose small-size path differs from the
+  // GEMM's in rounding: such products stay inline where they are written.
+  static_assert(DA::RowsAtCompileTime != 1 && DA::ColsAtCompileTime != 1 &&
+                    DB::RowsAtCompileTime != 1 && DB::ColsAtCompileTime != 1 &&
+                    C_t::RowsAtCompileTime != 1 && C_t::ColsAtCompileTime != 1,
+                "gemm: matrix-matrix products only");
+  if constexpr (std::is_base_of_v<Eigen::PlainObjectBase<C_t>, C_t>) {
+    // A plain destination is resized as `C.noalias() = ...` would (a Ref or a block cannot be).
+    if (update == Update::Assign)
+      C.resize(OA == Op::N ? A.rows() : A.cols(), OB == Op::N ? B.cols() : B.rows());
+  }
+  gemm_ref<OA, OB, Scalar>(update, Eigen::Ref<Matrix<Scalar>>(C), ConstRef<Scalar>(A),
+                           ConstRef<Scalar>(B), alpha);
+}
+
+/// alpha op(A) op(B) as a new matrix, through `gemm` (same operand rules). Equal, bit for bit,
+/// to Eigen's evaluation of the product expression `op(A) * op(B)` (or `alpha * (op(A) * op(B))`),
+/// also where Eigen would evaluate it into a temporary as an operand of a larger expression.
+template <Op OA = Op::N, Op OB = Op::N, typename DA, typename DB>
+Matrix<typename DA::Scalar> matmul(const DA& A, const DB& B,
+                                   typename DA::Scalar alpha = typename DA::Scalar(1)) {
+  Matrix<typename DA::Scalar> C(OA == Op::N ? A.rows() : A.cols(),
+                                OB == Op::N ? B.cols() : B.rows());
+  gemm<OA, OB>(Update::Assign, C, A, B, alpha);
+  return C;
+}
+
+}  // namespace detail
+}  // namespace effattn
