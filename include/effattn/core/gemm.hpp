@@ -24,8 +24,15 @@ namespace detail {
 /// Whether an operand enters the product as stored or transposed.
 enum class Op { N, T };
 
-/// What `gemm` does with the product: C = P, C += P or C -= P.
-enum class Update { Assign, Add, Sub };
+/// What `gemm` does with the product P: `Update::Assign` (C = P), `Update::Add` (C += P) or
+/// `Update::Sub` (C -= P). Each is a distinct type, so a call instantiates only its own update.
+template <int K>
+struct UpdateKind {};
+struct Update {
+  static constexpr UpdateKind<0> Assign{};  ///< C = P
+  static constexpr UpdateKind<1> Add{};     ///< C += P
+  static constexpr UpdateKind<2> Sub{};     ///< C -= P
+};
 
 /// True when `Ref<const Matrix<Scalar>>` binds to an expression of type D without a copy: direct
 /// access to column-major storage (a column block of a matrix is fine, a row of one is not).
@@ -37,22 +44,16 @@ inline constexpr bool gemm_operand_v =
 
 /// The instantiated kernel behind `gemm` (one per Scalar, OA, OB); kept out of line so each call
 /// site compiles to a call, not to another copy of Eigen's product.
-template <Op OA, Op OB, typename Scalar>
-EIGEN_DONT_INLINE void gemm_ref(Update update, Eigen::Ref<Matrix<Scalar>> C,
-                                const ConstRef<Scalar>& A, const ConstRef<Scalar>& B,
-                                Scalar alpha) {
+template <Op OA, Op OB, int U, typename Scalar>
+EIGEN_DONT_INLINE void gemm_ref(Eigen::Ref<Matrix<Scalar>> C, const ConstRef<Scalar>& A,
+                                const ConstRef<Scalar>& B, Scalar alpha) {
   const auto run = [&](const auto& a, const auto& b) {
-    switch (update) {
-      case Update::Assign:
-        C.noalias() = alpha * a * b;
-        break;
-      case Update::Add:
-        C.noalias() += alpha * a * b;
-        break;
-      case Update::Sub:
-        C.noalias() -= alpha * a * b;
-        break;
-    }
+    if constexpr (U == 0)
+      C.noalias() = alpha * a * b;
+    else if constexpr (U == 1)
+      C.noalias() += alpha * a * b;
+    else
+      C.noalias() -= alpha * a * b;
   };
   if constexpr (OA == Op::N && OB == Op::N)
     run(A, B);
@@ -65,11 +66,12 @@ EIGEN_DONT_INLINE void gemm_ref(Update update, Eigen::Ref<Matrix<Scalar>> C,
 }
 
 /// C (=, +=, -=) alpha op(A) op(B), with `op` chosen by OA and OB (`Op::T` transposes) and the
-/// update by `update`. C, A and B are column-major with unit inner stride (a `Matrix`, `Ref`,
-/// `Map` or a block of one; checked at compile time, so nothing is copied) and C must not alias
-/// A or B. Cost: Eigen's GEMM (or GEMV when C has one column), 2 m n k flops.
-template <Op OA = Op::N, Op OB = Op::N, typename DC, typename DA, typename DB>
-inline void gemm(Update update, DC&& C, const DA& A, const DB& B,
+/// update by the first argument (`Update::Assign`, `Add` or `Sub`). C, A and B are column-major
+/// with unit inner stride (a `Matrix`, `Ref`, `Map` or a block of one; checked at compile time, so
+/// nothing is copied) and C must not alias A or B. Cost: Eigen's GEMM (or GEMV when C has one
+/// column), 2 m n k flops.
+template <Op OA = Op::N, Op OB = Op::N, int U, typename DC, typename DA, typename DB>
+inline void gemm(UpdateKind<U>, DC&& C, const DA& A, const DB& B,
                  typename DA::Scalar alpha = typename DA::Scalar(1)) {
   using Scalar = typename DA::Scalar;
   using C_t = std::remove_cv_t<std::remove_reference_t<DC>>;
@@ -86,11 +88,11 @@ inline void gemm(Update update, DC&& C, const DA& A, const DB& B,
                 "gemm: matrix-matrix products only");
   if constexpr (std::is_base_of_v<Eigen::PlainObjectBase<C_t>, C_t>) {
     // A plain destination is resized as `C.noalias() = ...` would (a Ref or a block cannot be).
-    if (update == Update::Assign)
+    if constexpr (U == 0)
       C.resize(OA == Op::N ? A.rows() : A.cols(), OB == Op::N ? B.cols() : B.rows());
   }
-  gemm_ref<OA, OB, Scalar>(update, Eigen::Ref<Matrix<Scalar>>(C), ConstRef<Scalar>(A),
-                           ConstRef<Scalar>(B), alpha);
+  gemm_ref<OA, OB, U, Scalar>(Eigen::Ref<Matrix<Scalar>>(C), ConstRef<Scalar>(A),
+                              ConstRef<Scalar>(B), alpha);
 }
 
 /// alpha op(A) op(B) as a new matrix, through `gemm` (same operand rules). Equal, bit for bit,
