@@ -111,7 +111,8 @@ struct ExactResult : AttentionResult<Scalar> {
 ///   results are bit-identical for any thread count.
 /// - **Naive**: materialises the n x m scores in double, stable row softmax, O = P V. 2 n m (d +
 ///   dv) flops in double and O(n m) memory; the reference. Computed in double even for float
-///   inputs.
+///   inputs. Its two GEMMs run on Eigen's own threads, whose k-blocking depends on the thread
+///   count: results agree across thread counts to round-off, not bit for bit (Tiled: bit for bit).
 ///
 /// - **TiledBf16** (float only): the Tiled algorithm with both products in bf16 and fp32
 ///   accumulation, on Intel AMX (`tdpbf16ps`), AVX512-BF16 (`vdpbf16ps`) or a portable path

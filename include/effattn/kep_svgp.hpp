@@ -121,7 +121,8 @@ struct PositiveRandomFeatureKernel {
 /// \ingroup Policies
 /// KEP-SVGP SVD engine: form K (n x m) and take Eigen's BDCSVD (which runs JacobiSVD below 16
 /// columns; JacobiSVD is also used whenever min(n, m) <= 16): the oracle, O(n m min(n, m)) time,
-/// O(n m) memory.
+/// O(n m) memory. Its SVD and products run on Eigen's own threads, whose GEMM blocking depends on
+/// the thread count: results agree across thread counts to round-off, not bit for bit.
 struct DenseSvd {};
 /// \ingroup Policies
 /// KEP-SVGP SVD engine: randomized range finder (Halko, Martinsson, Tropp 2011) on the row space
