@@ -6,8 +6,8 @@
 /// evaluator, GEMM functor and OpenMP-parallel driver (`parallelize_gemm`), about half a second
 /// of g++ -O2 each. Written inline, the methods' products came to 44 such drivers in a user file
 /// that calls every functor once. Funnelled through `gemm` they bind to `Eigen::Ref` (no copy: a
-/// static check refuses operands that would need one) and instantiate once per scalar type and
-/// transposition pair.
+/// static check refuses operands that would need one) and instantiate once per scalar type,
+/// transposition pair and update (=, +=, -=): 10 drivers in that file.
 ///
 /// The result is bit-identical to writing `C.noalias() = alpha * op(A) * op(B)` (or `+=`, `-=`)
 /// inline: Eigen's blocking, its small-product (coefficient-based) path and the final scaling by
@@ -42,7 +42,7 @@ inline constexpr bool gemm_operand_v =
     (int(Eigen::internal::traits<D>::Flags) & Eigen::RowMajorBit) == 0 &&
     int(Eigen::internal::traits<D>::InnerStrideAtCompileTime) == 1;
 
-/// The instantiated kernel behind `gemm` (one per Scalar, OA, OB); kept out of line so each call
+/// The instantiated kernel behind `gemm` (one per Scalar, OA, OB, U); kept out of line so each call
 /// site compiles to a call, not to another copy of Eigen's product.
 template <Op OA, Op OB, int U, typename Scalar>
 EIGEN_DONT_INLINE void gemm_ref(Eigen::Ref<Matrix<Scalar>> C, const ConstRef<Scalar>& A,
