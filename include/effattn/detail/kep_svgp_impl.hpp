@@ -734,9 +734,8 @@ void KepSvgpAttention<Scalar_, Kernel, Svd, Merge>::assemble(Result& res, const 
   MatrixType coef_e(r, dv);
   if (vp)
     coef_e = inv.asDiagonal() * vp->m_u.topRows(r);
-  else
-    detail::gemm<detail::Op::T>(detail::Update::Assign, coef_e, ks.Hr,
-                                V);  // Lambda^-1 (Lambda H_r^T V)
+  else  // Lambda^-1 (Lambda H_r^T V)
+    detail::gemm<detail::Op::T>(detail::Update::Assign, coef_e, ks.Hr, V);
   MatrixType mean_e = MatrixType::Zero(n, dv), var_e = MatrixType::Zero(n, dv);
   if (r > 0) detail::gemm(detail::Update::Assign, mean_e, ks.E, coef_e);
   if (full) var_e = ks.res_row * res.prior_variance.transpose();
