@@ -273,17 +273,6 @@ void lower_solve_in_place(const Eigen::Ref<const Matrix<S>>& L, RowsRef<S> R) {
   lower_solve_in_place<S>(L.bottomRightCorner(a - h, a - h), R2);
 }
 
-/// dst = lhs rhs for a row-major lhs and column-major rhs and dst: the kernels' row blocks, their
-/// principal submatrices and the Nystrom products (numerics/nystrom.hpp) share this signature, a
-/// `gemm` with a transposed first operand (core/gemm.hpp: one product instantiation per scalar
-/// for the whole library). Every argument binds without a copy (a row-major destination is passed
-/// transposed).
-template <typename S>
-void product_rc(Eigen::Ref<Matrix<S>> dst, const Eigen::Ref<const RowMajorMatrix<S>>& lhs,
-                const Eigen::Ref<const Matrix<S>>& rhs) {
-  gemm<Op::T, Op::N>(Update::Assign, dst, lhs.transpose(), rhs);
-}
-
 /// Columns per tile of the accelerated block update and of the Gaussian kernels' rows.
 constexpr Index kRpTile = 256;
 
@@ -495,7 +484,7 @@ class GaussianCore {
     rp_for_tiles(tiles, a, [&](Index t) {
       const Index c0 = t * kRpTile, w = std::min(kRpTile, m - c0);
       auto tile = out.middleCols(c0, w);
-      product_rc<S>(tile.transpose(), m_z.middleCols(c0, w).transpose(), za);  // (w x d)(d x a)
+      gemm<Op::T>(Update::Assign, tile.transpose(), m_z.middleCols(c0, w), za);  // (w x d)(d x a)
       for (Index j = 0; j < a; ++j)
         tile.row(j).array() = (tile.row(j).array() - m_half_sq.segment(c0, w).array() -
                                m_half_sq(idx[static_cast<std::size_t>(j)]))
@@ -513,7 +502,7 @@ class GaussianCore {
       zb.col(j) = m_z.col(idx[static_cast<std::size_t>(j)]);
       hb(j) = m_half_sq(idx[static_cast<std::size_t>(j)]);
     }
-    product_rc<S>(out, zb.transpose(), zb);
+    gemm<Op::T>(Update::Assign, out, zb, zb);
     for (Index j = 0; j < b; ++j)
       out.col(j).array() = (out.col(j).array() - hb.array() - hb(j)).min(S(0)).exp();
   }

@@ -321,7 +321,8 @@ struct WtdContext {
   Bf16Panels panels;  // AVX512-BF16: beta Q, keys, values in the kernels' layouts
 #endif
   // Portable path: bf16(beta Q) (row-major), bf16(keys)^T and bf16(values) widened to float,
-  // multiplied by `product_rc` (the product expression RP-Cholesky already instantiates).
+  // multiplied by `gemm<Op::T>` with the row-major operand transposed (the product RP-Cholesky
+  // already instantiates).
   RowMajorMatrix<float> qr;
   Matrix<float> kt, vr;
   Vector<float> w, absw;  // weights and |weights| (fp32 denominators)
@@ -368,7 +369,8 @@ void wtd_products_bf16(const WtdContext<Scalar>& cx, const WildcatOptions& o, In
     if (cx.isa != Isa::Generic) avx512_scores(cx.panels, i0 / 16, 0, tp, rp, s, ld);
 #endif
     if (cx.isa == Isa::Generic)
-      product_rc<float>(ws.S.topLeftCorner(t, r), cx.qr.middleRows(i0, t), cx.kt);
+      gemm<Op::T>(Update::Assign, ws.S.topLeftCorner(t, r), cx.qr.middleRows(i0, t).transpose(),
+                  cx.kt);
     auto S = ws.S.topLeftCorner(t, r);
     Vector<float> mx = Vector<float>::Constant(t, -std::numeric_limits<float>::infinity());
     for (Index j = 0; j < r; ++j) {
@@ -401,7 +403,7 @@ void wtd_products_bf16(const WtdContext<Scalar>& cx, const WildcatOptions& o, In
     if (cx.isa == Isa::Generic) {
       round_tile_to_bf16(s, ld, t, r);
       ws.Pr = S;
-      product_rc<float>(ws.acc.topLeftCorner(t, dv), ws.Pr, cx.vr);
+      gemm<Op::T>(Update::Assign, ws.acc.topLeftCorner(t, dv), ws.Pr.transpose(), cx.vr);
     }
     // O = acc / den per row, with the fallback and clipping of the fp32 path, column by column
     // (contiguous in the column-major tile and output).

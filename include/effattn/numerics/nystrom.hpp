@@ -45,6 +45,7 @@
 
 #include "../core/checks.hpp"
 #include "../core/errors.hpp"
+#include "../core/gemm.hpp"
 #include "../core/parallel.hpp"
 #include "../core/types.hpp"
 #include "rp_cholesky.hpp"
@@ -115,17 +116,26 @@ void nystrom_back_substitute(const TriangularFactor& A, Rhs& X) {
 
 /// X = F B (k x c) by chunks of 32 rows of F inside one parallel region: each chunk is a serial
 /// GEMM whose blocking does not depend on the thread count (a threaded Eigen GEMM picks its
-/// k-blocking from the thread count, which changes the summation order and hence the bits).
+/// k-blocking from the thread count, which changes the summation order and hence the bits). A B
+/// that is not column-major with direct access (a row-major matrix, an expression) is evaluated
+/// once into a column-major matrix first.
 template <typename Scalar, typename RhsB>
 void factor_times(const RowMajorMatrix<Scalar>& F, const RhsB& B, Matrix<Scalar>& X) {
-  const Index k = F.rows();
-  constexpr Index kRows = 32;
-  X.resize(k, B.cols());
-  parallel_for((k + kRows - 1) / kRows, [] { return 0; },
-               [&](Index t, int&) {
-                 const Index i0 = t * kRows, rows = std::min(kRows, k - i0);
-                 product_rc<Scalar>(X.middleRows(i0, rows), F.middleRows(i0, rows), B);
-               });
+  if constexpr (!gemm_operand_v<RhsB>) {
+    const Matrix<Scalar> Bc = B;
+    factor_times(F, Bc, X);
+  } else {
+    const Index k = F.rows();
+    constexpr Index kRows = 32;
+    X.resize(k, B.cols());
+    parallel_for((k + kRows - 1) / kRows, [] { return 0; },
+                 [&](Index t, int&) {
+                   const Index i0 = t * kRows, rows = std::min(kRows, k - i0);
+                   // F's rows transposed: a column-major view, multiplied as its transpose.
+                   gemm<Op::T>(Update::Assign, X.middleRows(i0, rows),
+                               F.middleRows(i0, rows).transpose(), B);
+                 });
+  }
 }
 
 /// log_scale(i) = c - hs(S_i) with c = max hs (the exp-dot log-scales).
