@@ -95,6 +95,18 @@ inline void gemm(UpdateKind<U>, DC&& C, const DA& A, const DB& B,
                               ConstRef<Scalar>(B), alpha);
 }
 
+/// x as a double operand of `gemm` / `matmul`: x itself when its scalar is double (no copy), its
+/// cast materialised into a column-major matrix otherwise (as Eigen evaluates a product of the
+/// cast expression, so the bits are those of that product either way). The returned reference
+/// lives as long as x: use it within the full expression that holds x.
+template <typename Derived>
+decltype(auto) as_double(const Derived& x) {
+  if constexpr (std::is_same_v<typename Derived::Scalar, double>)
+    return (x);
+  else
+    return Matrix<double>(x.template cast<double>());
+}
+
 /// alpha op(A) op(B) as a new matrix, through `gemm` (same operand rules). Equal, bit for bit,
 /// to Eigen's evaluation of the product expression `op(A) * op(B)` (or `alpha * (op(A) * op(B))`),
 /// also where Eigen would evaluate it into a temporary as an operand of a larger expression.

@@ -34,14 +34,14 @@ void exact_naive_backward(const ConstRef<Scalar>& Q, const ConstRef<Scalar>& K,
   using MatD = Matrix<double>;
   MatD P;
   (void)naive_probabilities<Scalar>(Q, K, bias, scale, causal, P);
-  const MatD dOd = dO.template cast<double>();
-  MatD dS = matmul<Op::N, Op::T>(dOd, MatD(V.template cast<double>()));  // dP
+  decltype(auto) dOd = as_double(dO);                 // dO itself for double
+  MatD dS = matmul<Op::N, Op::T>(dOd, as_double(V));  // dP
   const Vector<double> D = P.cwiseProduct(dS).rowwise().sum();
   dS.colwise() -= D;
   dS = P.cwiseProduct(dS);
   g.dV = matmul<Op::T>(P, dOd).template cast<Scalar>();
-  g.dQ = matmul(dS, MatD(K.template cast<double>()), scale).template cast<Scalar>();
-  g.dK = matmul<Op::T>(dS, MatD(Q.template cast<double>()), scale).template cast<Scalar>();
+  g.dQ = matmul(dS, as_double(K), scale).template cast<Scalar>();
+  g.dK = matmul<Op::T>(dS, as_double(Q), scale).template cast<Scalar>();
   if (bias != nullptr) g.dbias = dS.colwise().sum().transpose().template cast<Scalar>();
 }
 

@@ -32,9 +32,8 @@ Vector<double> naive_probabilities(const ConstRef<Scalar>& Q, const ConstRef<Sca
   const Index n = Q.rows(), m = K.rows();
   const Index off = m - n;
   // As Eigen evaluates (Q.cast<double>() * scale) * K.cast<double>().transpose(): both casts
-  // materialised, the scale applied as the GEMM's alpha.
-  gemm<Op::N, Op::T>(Update::Assign, S, Matrix<double>(Q.template cast<double>()),
-                     Matrix<double>(K.template cast<double>()), scale);
+  // materialised (double inputs read in place), the scale applied as the GEMM's alpha.
+  gemm<Op::N, Op::T>(Update::Assign, S, as_double(Q), as_double(K), scale);
   if (bias != nullptr)
     for (Index j = 0; j < m; ++j) S.col(j).array() += static_cast<double>(bias[j]);
   if (causal)
@@ -53,7 +52,7 @@ void exact_naive(const ConstRef<Scalar>& Q, const ConstRef<Scalar>& K, const Con
                  Vector<Scalar>& lse) {
   Matrix<double> S;
   const Vector<double> lse_d = naive_probabilities<Scalar>(Q, K, bias, scale, causal, S);
-  const Matrix<double> O = matmul(S, Matrix<double>(V.template cast<double>()));
+  const Matrix<double> O = matmul(S, as_double(V));
   out = O.template cast<Scalar>();
   lse = lse_d.template cast<Scalar>();
 }

@@ -466,13 +466,8 @@ void wtd_tile(const WtdContext<Scalar>& cx, const ConstRef<Scalar>& Q, const Wil
     }
     out.middleRows(i0, t) = O.transpose();
   }
-  if (cx.centresT.size() > 0) {
-    if constexpr (std::is_same_v<Scalar, double>)
-      gemm(Update::Assign, ws.C.topRows(t), Q.middleRows(i0, t), cx.centresT);
-    else  // the cast materialised, as Eigen's product of the cast expression does
-      gemm(Update::Assign, ws.C.topRows(t),
-           Matrix<double>(Q.middleRows(i0, t).template cast<double>()), cx.centresT);
-  }
+  if (cx.centresT.size() > 0)
+    gemm(Update::Assign, ws.C.topRows(t), as_double(Q.middleRows(i0, t)), cx.centresT);
   const Vector<double> qnorm = row_squared_norms(Q.middleRows(i0, t)).cwiseSqrt();
   // Error bound (Lemmas 1 + 2, rows independently; see WildcatResult::error_bound), vectorised
   // over blocks. L(j, k): log of compressed block k's bound on ||a_k - ahat_k||_2^2 (uncentred
