@@ -116,26 +116,20 @@ void nystrom_back_substitute(const TriangularFactor& A, Rhs& X) {
 
 /// X = F B (k x c) by chunks of 32 rows of F inside one parallel region: each chunk is a serial
 /// GEMM whose blocking does not depend on the thread count (a threaded Eigen GEMM picks its
-/// k-blocking from the thread count, which changes the summation order and hence the bits). A B
-/// that is not column-major with direct access (a row-major matrix, an expression) is evaluated
-/// once into a column-major matrix first.
-template <typename Scalar, typename RhsB>
-void factor_times(const RowMajorMatrix<Scalar>& F, const RhsB& B, Matrix<Scalar>& X) {
-  if constexpr (!gemm_operand_v<RhsB>) {
-    const Matrix<Scalar> Bc = B;
-    factor_times(F, Bc, X);
-  } else {
-    const Index k = F.rows();
-    constexpr Index kRows = 32;
-    X.resize(k, B.cols());
-    parallel_for((k + kRows - 1) / kRows, [] { return 0; },
-                 [&](Index t, int&) {
-                   const Index i0 = t * kRows, rows = std::min(kRows, k - i0);
-                   // F's rows transposed: a column-major view, multiplied as its transpose.
-                   gemm<Op::T>(Update::Assign, X.middleRows(i0, rows),
-                               F.middleRows(i0, rows).transpose(), B);
-                 });
-  }
+/// k-blocking from the thread count, which changes the summation order and hence the bits). Both
+/// callers pass a column-major matrix, which B binds without a copy.
+template <typename Scalar>
+void factor_times(const RowMajorMatrix<Scalar>& F, const ConstRef<Scalar>& B, Matrix<Scalar>& X) {
+  const Index k = F.rows();
+  constexpr Index kRows = 32;
+  X.resize(k, B.cols());
+  parallel_for((k + kRows - 1) / kRows, [] { return 0; },
+               [&](Index t, int&) {
+                 const Index i0 = t * kRows, rows = std::min(kRows, k - i0);
+                 // F's rows transposed: a column-major view, multiplied as its transpose.
+                 gemm<Op::T>(Update::Assign, X.middleRows(i0, rows),
+                             F.middleRows(i0, rows).transpose(), B);
+               });
 }
 
 /// log_scale(i) = c - hs(S_i) with c = max hs (the exp-dot log-scales).
@@ -165,7 +159,7 @@ Matrix<Scalar> nystrom_apply_to(const RpCholeskyResult<Scalar>& rpc, const RhsB&
                 cat(who, ": B must have m = ", rpc.factor.cols(), " rows; got ", shape(B)));
   const RowMajorMatrix<double> A = nystrom_pivot_block<Scalar, double>(rpc, who);
   Matrix<Scalar> X;
-  factor_times(rpc.factor, B, X);
+  factor_times<Scalar>(rpc.factor, B, X);
   if constexpr (std::is_same_v<Scalar, double>) {
     nystrom_back_substitute(A, X);
   } else {
