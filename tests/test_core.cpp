@@ -6,6 +6,7 @@
 
 #include <effattn/core/checks.hpp>
 #include <effattn/core/errors.hpp>
+#include <effattn/core/gemm.hpp>
 #include <effattn/core/parallel.hpp>
 #include <effattn/core/random.hpp>
 #include <effattn/core/softmax.hpp>
@@ -1218,4 +1219,94 @@ TEST_CASE("parallel_for with count <= 0 does nothing", "[core]") {
     CHECK(calls == 0);
     CHECK(workspaces == 0);
   }
+}
+
+namespace {
+// gemm's C (=, +=, -=) alpha op(A) op(B) for one (OA, OB, update) combination, with C starting as
+// C0.
+template <effattn::detail::Op OA, effattn::detail::Op OB, int U, typename Scalar>
+Matrix<Scalar> run_gemm(const Matrix<Scalar>& C0, const Matrix<Scalar>& A, const Matrix<Scalar>& B,
+                        Scalar alpha) {
+  Matrix<Scalar> C = C0;
+  effattn::detail::gemm<OA, OB>(effattn::detail::UpdateKind<U>{}, C, A, B, alpha);
+  return C;
+}
+}  // namespace
+
+TEMPLATE_TEST_CASE("gemm matches a long-double oracle and is bit-identical for 1, 2 and 3 threads",
+                   "[core][gemm]", float, double) {
+  using effattn::detail::Op;
+  using S = TestType;
+  using LD = Eigen::Matrix<long double, Eigen::Dynamic, Eigen::Dynamic>;
+  // (rows, cols, depth): column panels, row panels, one panel inside a region, Eigen's serial
+  // sizes. Depths of 700 and 1000 exceed Eigen's depth blocking on every cache size, where its own
+  // multithreaded GEMM splits the sum differently for one and two threads.
+  const Index shapes[][3] = {{300, 300, 1000}, {520, 40, 1000}, {90, 90, 700}, {20, 30, 10}};
+  std::uint64_t seed = 5;
+  for (const auto& sh : shapes) {
+    const Index r = sh[0], c = sh[1], k = sh[2];
+    auto check = [&](auto oa, auto ob, auto u) {
+      constexpr Op OA = decltype(oa)::value, OB = decltype(ob)::value;
+      constexpr int U = decltype(u)::value;
+      const Matrix<S> A = et::randn<S>(OA == Op::N ? r : k, OA == Op::N ? k : r, ++seed);
+      const Matrix<S> B = et::randn<S>(OB == Op::N ? k : c, OB == Op::N ? c : k, ++seed);
+      const Matrix<S> C0 = et::randn<S>(r, c, ++seed);
+      const S alpha = S(0.75);
+      INFO("rows " << r << " cols " << c << " depth " << k << " OA " << int(OA) << " OB " << int(OB)
+                   << " update " << U);
+      const Matrix<S> C1 =
+          et::with_threads(1, [&] { return run_gemm<OA, OB, U>(C0, A, B, alpha); });
+      const Matrix<S> C2 =
+          et::with_threads(2, [&] { return run_gemm<OA, OB, U>(C0, A, B, alpha); });
+      const Matrix<S> C3 =
+          et::with_threads(3, [&] { return run_gemm<OA, OB, U>(C0, A, B, alpha); });
+      CHECK(et::bitwise_equal(C1, C2));
+      CHECK(et::bitwise_equal(C1, C3));
+      // Oracle in long double, and the worst-case bound of any summation order:
+      // |error| <= (k + 2) eps (|alpha| (|op(A)| |op(B)|) + |C0|) entrywise.
+      const LD a = OA == Op::N ? LD(A.template cast<long double>())
+                               : LD(A.transpose().template cast<long double>());
+      const LD b = OB == Op::N ? LD(B.template cast<long double>())
+                               : LD(B.transpose().template cast<long double>());
+      const LD p = static_cast<long double>(alpha) * (a * b);
+      const LD c0 = C0.template cast<long double>();
+      const LD ref = U == 0 ? p : U == 1 ? LD(c0 + p) : LD(c0 - p);
+      const LD bound = static_cast<long double>(static_cast<double>(k + 2) * et::eps<S>()) *
+                       (std::abs(static_cast<long double>(alpha)) * (a.cwiseAbs() * b.cwiseAbs()) +
+                        (U == 0 ? LD(LD::Zero(r, c)) : LD(c0.cwiseAbs())));
+      const LD err = (C1.template cast<long double>() - ref).cwiseAbs();
+      CHECK((err.array() <= bound.array()).all());
+      // Inside a parallel region gemm is Eigen's product written inline, bit for bit.
+      Matrix<S> inline_eigen = C0, in_region = C0;
+      effattn::detail::parallel_for(
+          1, [] { return 0; },
+          [&](Index, int) {
+            const auto opa = [&]() -> decltype(auto) {
+              if constexpr (OA == Op::N)
+                return (A);
+              else
+                return A.transpose();
+            };
+            const auto opb = [&]() -> decltype(auto) {
+              if constexpr (OB == Op::N)
+                return (B);
+              else
+                return B.transpose();
+            };
+            if constexpr (U == 0) inline_eigen.noalias() = alpha * opa() * opb();
+            if constexpr (U == 1) inline_eigen.noalias() += alpha * opa() * opb();
+            if constexpr (U == 2) inline_eigen.noalias() -= alpha * opa() * opb();
+            effattn::detail::gemm<OA, OB>(effattn::detail::UpdateKind<U>{}, in_region, A, B, alpha);
+          });
+      CHECK(et::bitwise_equal(inline_eigen, in_region));
+    };
+    using N = std::integral_constant<Op, Op::N>;
+    using T = std::integral_constant<Op, Op::T>;
+    check(N{}, N{}, std::integral_constant<int, 0>{});
+    check(N{}, T{}, std::integral_constant<int, 1>{});
+    check(T{}, N{}, std::integral_constant<int, 2>{});
+    check(T{}, T{}, std::integral_constant<int, 0>{});
+  }
+  if (!et::has_openmp() || !EFFATTN_HAS_OPENMP)
+    WARN("SKIP thread invariance: built without OpenMP, one thread only (the oracle checks ran)");
 }

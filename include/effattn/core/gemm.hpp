@@ -9,13 +9,18 @@
 /// static check refuses operands that would need one) and instantiate once per scalar type,
 /// transposition pair and update (=, +=, -=): 10 drivers in that file.
 ///
-/// The result is bit-identical to writing `C.noalias() = alpha * op(A) * op(B)` (or `+=`, `-=`)
-/// inline: Eigen's blocking, its small-product (coefficient-based) path and the final scaling by
-/// alpha depend on the run-time sizes only, never on the operand's expression type.
+/// Inside a parallel region the result is bit-identical to writing `C.noalias() = alpha * op(A) *
+/// op(B)` (or `+=`, `-=`) inline there: Eigen's blocking, its small-product (coefficient-based)
+/// path and the final scaling by alpha depend on the run-time sizes only, never on the operand's
+/// expression type. Outside every region a large product is cut into panels fixed by its shape
+/// (`gemm_ref`), so that its bits do not depend on the thread count, which Eigen's own
+/// multithreaded GEMM does not promise.
 #pragma once
 
+#include <algorithm>
 #include <type_traits>
 
+#include "parallel.hpp"
 #include "types.hpp"
 
 namespace effattn {
@@ -42,11 +47,11 @@ inline constexpr bool gemm_operand_v =
     (int(Eigen::internal::traits<D>::Flags) & Eigen::RowMajorBit) == 0 &&
     int(Eigen::internal::traits<D>::InnerStrideAtCompileTime) == 1;
 
-/// The instantiated kernel behind `gemm` (one per Scalar, OA, OB, U); kept out of line so each call
-/// site compiles to a call, not to another copy of Eigen's product.
+/// Eigen's product C (=, +=, -=) alpha op(A) op(B), evaluated by the calling thread alone (the
+/// caller makes sure Eigen does not split it over threads: see `gemm_ref`).
 template <Op OA, Op OB, int U, typename Scalar>
-EIGEN_DONT_INLINE void gemm_ref(Eigen::Ref<Matrix<Scalar>> C, const ConstRef<Scalar>& A,
-                                const ConstRef<Scalar>& B, Scalar alpha) {
+void gemm_serial(Eigen::Ref<Matrix<Scalar>> C, const ConstRef<Scalar>& A, const ConstRef<Scalar>& B,
+                 Scalar alpha) {
   const auto run = [&](const auto& a, const auto& b) {
     if constexpr (U == 0)
       C.noalias() = alpha * a * b;
@@ -63,6 +68,61 @@ EIGEN_DONT_INLINE void gemm_ref(Eigen::Ref<Matrix<Scalar>> C, const ConstRef<Sca
     run(A.transpose(), B);
   else
     run(A.transpose(), B.transpose());
+}
+
+/// Width of the column (or row) panels of C that `gemm_ref` computes as separate serial
+/// products outside a parallel region: a multiple of every Eigen GEBP register block width.
+inline constexpr Index kGemmPanel = 128;
+
+/// The instantiated kernel behind `gemm` (one per Scalar, OA, OB, U); kept out of line so each call
+/// site compiles to a call, not to another copy of Eigen's product.
+///
+/// Inside a parallel region (every `parallel_for` body) Eigen keeps a product on the calling
+/// thread, with the blocking it chooses for one thread. Outside every region, Eigen would split a
+/// large product over the threads itself, with a depth blocking chosen for their number, so the
+/// bits would depend on the thread count (measured on an AMD EPYC with 32 KiB of L1 data cache,
+/// double, depth 256: one thread sums the depth as 136 + 120, two threads as 248 + 8). There, C is
+/// cut into panels of `kGemmPanel` columns (or rows, when C has fewer than two panels of columns)
+/// fixed by the shape alone, each a serial product in a `parallel_for`: the same bits for any
+/// thread count (one thread included).
+template <Op OA, Op OB, int U, typename Scalar>
+EIGEN_DONT_INLINE void gemm_ref(Eigen::Ref<Matrix<Scalar>> C, const ConstRef<Scalar>& A,
+                                const ConstRef<Scalar>& B, Scalar alpha) {
+#if EFFATTN_HAS_OPENMP
+  const Index rows = C.rows(), cols = C.cols(), depth = OA == Op::N ? A.cols() : A.rows();
+  // Eigen stays serial below 2 x 50000 multiply-adds (its parallelize_gemm) or with one thread.
+  // omp_get_level() counts inactive (one-thread) regions too, so a `parallel_for` body takes the
+  // serial branch below whatever the thread count.
+  if (omp_get_level() == 0 &&
+      static_cast<double>(rows) * static_cast<double>(cols) * static_cast<double>(depth) >=
+          100000.0) {
+    const bool by_cols = cols >= 2 * kGemmPanel;
+    const Index extent = by_cols ? cols : rows;
+    const Index panels = extent >= 2 * kGemmPanel ? (extent + kGemmPanel - 1) / kGemmPanel : 1;
+    // Opened even for one panel: inside the region Eigen keeps the product serial.
+    parallel_for(
+        panels, [] { return 0; },
+        [&](Index p, int) {
+          const Index p0 = p * kGemmPanel;
+          const Index w = panels == 1 ? extent : std::min(kGemmPanel, extent - p0);
+          if (panels == 1) {
+            gemm_serial<OA, OB, U, Scalar>(C, A, B, alpha);
+          } else if (by_cols) {
+            if constexpr (OB == Op::N)
+              gemm_serial<OA, OB, U, Scalar>(C.middleCols(p0, w), A, B.middleCols(p0, w), alpha);
+            else
+              gemm_serial<OA, OB, U, Scalar>(C.middleCols(p0, w), A, B.middleRows(p0, w), alpha);
+          } else {
+            if constexpr (OA == Op::N)
+              gemm_serial<OA, OB, U, Scalar>(C.middleRows(p0, w), A.middleRows(p0, w), B, alpha);
+            else
+              gemm_serial<OA, OB, U, Scalar>(C.middleRows(p0, w), A.middleCols(p0, w), B, alpha);
+          }
+        });
+    return;
+  }
+#endif
+  gemm_serial<OA, OB, U, Scalar>(C, A, B, alpha);
 }
 
 /// C (=, +=, -=) alpha op(A) op(B), with `op` chosen by OA and OB (`Op::T` transposes) and the
@@ -107,9 +167,10 @@ decltype(auto) as_double(const Derived& x) {
     return Matrix<double>(x.template cast<double>());
 }
 
-/// alpha op(A) op(B) as a new matrix, through `gemm` (same operand rules). Equal, bit for bit,
-/// to Eigen's evaluation of the product expression `op(A) * op(B)` (or `alpha * (op(A) * op(B))`),
-/// also where Eigen would evaluate it into a temporary as an operand of a larger expression.
+/// alpha op(A) op(B) as a new matrix, through `gemm` (same operand rules). Inside a parallel region
+/// equal, bit for bit, to Eigen's evaluation of the product expression `op(A) * op(B)` (or `alpha
+/// * (op(A) * op(B))`), also where Eigen would evaluate it into a temporary as an operand of a
+/// larger expression; outside, the panels of `gemm_ref`.
 template <Op OA = Op::N, Op OB = Op::N, typename DA, typename DB>
 Matrix<typename DA::Scalar> matmul(const DA& A, const DB& B,
                                    typename DA::Scalar alpha = typename DA::Scalar(1)) {
