@@ -167,7 +167,10 @@ TEMPLATE_TEST_CASE("1/18: budget >= n gives exact attention for every policy and
   const double tol = is_float<Scalar>() ? 2e-5 : 1e-12;
   const std::vector<std::pair<Index, Index>> cases = {{1, 1},   {2, 16},    {7, 64},   {64, 1},
                                                       {64, 16}, {1000, 64}, {4096, 16}};
-  for (const auto& [n, d] : cases) {
+  for (const auto& nd : cases) {
+    // Named copies, not a structured binding: lambdas below capture n (C++17 cannot capture a
+    // structured binding; clang rejects it).
+    const Index n = nd.first, d = nd.second;
     const Index dv = d + 3;
     const std::uint64_t seed = static_cast<std::uint64_t>(n * 31 + d);
     const Matrix<Scalar> Q = randn<Scalar>(n, d, seed), K = randn<Scalar>(n, d, seed + 1),

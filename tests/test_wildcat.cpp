@@ -764,7 +764,7 @@ TEST_CASE("target_error: the estimate tracks the exact error and the target is m
     const auto w = workloads::make<double>(kind, workloads::Params::shape(512, 1024, 32, 16, 5));
     const Matrix<double> ref = exact_of(w.Q, w.K, w.V);
     for (const double target : {3e-2, 1e-2}) {
-      for (const std::uint64_t seed : {1, 2}) {
+      for (const std::uint64_t seed : {std::uint64_t{1}, std::uint64_t{2}}) {
         WildcatOptions o;
         o.rank = 512;
         o.target_error = target;
@@ -810,7 +810,7 @@ TEST_CASE("fit_temperature: the smallest Lemma 2 term among the candidates; wins
   const Matrix<double> ref = exact_of(w.Q, w.K, w.V);
   const double beta = 0.25, rq = std::sqrt(w.Q.rowwise().squaredNorm().maxCoeff());
   double err12 = 0, errfit = 0;
-  for (const std::uint64_t seed : {1, 2, 3}) {
+  for (const std::uint64_t seed : {std::uint64_t{1}, std::uint64_t{2}, std::uint64_t{3}}) {
     WildcatOptions o;
     o.rank = 64;
     o.seed = seed;
@@ -836,7 +836,7 @@ TEST_CASE("target_error: a tighter target gives a lower error at a larger rank",
                                          workloads::Params::shape(512, 1024, 32, 16, 6));
   const Matrix<double> ref = exact_of(w.Q, w.K, w.V);
   double err_loose = 0, err_tight = 0;
-  for (const std::uint64_t seed : {1, 2, 3}) {
+  for (const std::uint64_t seed : {std::uint64_t{1}, std::uint64_t{2}, std::uint64_t{3}}) {
     WildcatOptions o;
     o.rank = 600;
     o.seed = seed;

@@ -105,7 +105,7 @@ struct Reader {
   std::uint32_t u32(const char* what) {
     need(4, what);
     std::uint32_t v = 0;
-    for (int i = 0; i < 4; ++i) v |= static_cast<std::uint32_t>(buf[pos + i]) << (8 * i);
+    for (std::size_t i = 0; i < 4; ++i) v |= static_cast<std::uint32_t>(buf[pos + i]) << (8 * i);
     pos += 4;
     return v;
   }

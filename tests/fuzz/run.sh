@@ -8,7 +8,7 @@
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 source .ci/deps.sh
-effattn_ensure_packages clang libclang-rt-dev libeigen3-dev libfftw3-dev pkg-config cmake make
+effattn_ensure_packages "${EFFATTN_CLANG_PACKAGES[@]}" libeigen3-dev libfftw3-dev pkg-config cmake make
 secs=${1:-20}
 shift || true
 build=build/fuzz
