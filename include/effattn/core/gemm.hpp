@@ -98,16 +98,16 @@ EIGEN_DONT_INLINE void gemm_ref(Eigen::Ref<Matrix<Scalar>> C, const ConstRef<Sca
           100000.0) {
     const bool by_cols = cols >= 2 * kGemmPanel;
     const Index extent = by_cols ? cols : rows;
-    const Index panels = extent >= 2 * kGemmPanel ? (extent + kGemmPanel - 1) / kGemmPanel : 1;
-    // Opened even for one panel: inside the region Eigen keeps the product serial.
+    if (extent < 2 * kGemmPanel) {
+      // One panel: a region of its own, inside which Eigen keeps the product serial.
+      run_serial([&] { gemm_serial<OA, OB, U, Scalar>(C, A, B, alpha); });
+      return;
+    }
     parallel_for(
-        panels, [] { return 0; },
+        (extent + kGemmPanel - 1) / kGemmPanel, [] { return 0; },
         [&](Index p, int) {
-          const Index p0 = p * kGemmPanel;
-          const Index w = panels == 1 ? extent : std::min(kGemmPanel, extent - p0);
-          if (panels == 1) {
-            gemm_serial<OA, OB, U, Scalar>(C, A, B, alpha);
-          } else if (by_cols) {
+          const Index p0 = p * kGemmPanel, w = std::min(kGemmPanel, extent - p0);
+          if (by_cols) {
             if constexpr (OB == Op::N)
               gemm_serial<OA, OB, U, Scalar>(C.middleCols(p0, w), A, B.middleCols(p0, w), alpha);
             else
