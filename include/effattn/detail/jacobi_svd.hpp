@@ -1,7 +1,8 @@
 /// \file jacobi_svd.hpp
 /// \brief Private: thin SVD of a tall or wide matrix by Householder QR and one-sided (Hestenes)
 /// Jacobi on the triangular factor, in double. KEP-SVGP's randomized and factorised engines
-/// (detail/kep_svgp_impl.hpp) take it for their small SVDs (n x (s + p) and p x p).
+/// (detail/kep_svgp_impl.hpp) take it for their small SVDs (n x (s + p) and p x p), and the dense
+/// oracle for the whole kernel.
 ///
 /// Why not Eigen's BDCSVD: instantiating `BDCSVD<MatrixXf>` (with the JacobiSVD and the two
 /// column-pivoting QR preconditioners it pulls in) was the most expensive code of the library to
@@ -14,8 +15,10 @@
 /// sqrt(k) * eps(double) relative to their norms, so they add nothing visible at Scalar = float and
 /// little at double (one-sided Jacobi is the more accurate algorithm for the small singular
 /// values, Demmel and Veselic 1992). Cost: 2 rows k^2 (QR) + about 3.5 k^3 per sweep, 6-10 sweeps;
-/// fine for the sketch widths of KEP-SVGP (k = s + p = 20 by default; 0.5 s at k = 512),
-/// not for a dense n x n oracle (policy::DenseSvd keeps BDCSVD).
+/// fine for the sketch widths of KEP-SVGP (k = s + p = 20 by default; 0.5 s at k = 512). The
+/// dense oracle (policy::DenseSvd) takes it too, on the whole n x m kernel (9 s at n = m = 1024):
+/// Eigen 3.4's BDCSVD is faster but not reliable on near-degenerate kernels
+/// (detail/kep_svgp_impl.hpp, `kep_thin_svd_dense`).
 #pragma once
 
 #include <Eigen/Householder>

@@ -7,7 +7,6 @@
 #include "../kep_svgp.hpp"
 
 #include <Eigen/QR>
-#include <Eigen/SVD>
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -241,33 +240,28 @@ Matrix<Scalar> kep_orth(const Matrix<Scalar>& X) {
   return qr.householderQ() * Matrix<Scalar>::Identity(X.rows(), X.cols());
 }
 
-/// Thin SVD X = U diag(s) W^T for the dense oracle (policy::DenseSvd) with ONE engine, Eigen's
-/// BDCSVD: its divide and conquer for min(rows, cols) > 16, and its JacobiSVD fallback (taken when
-/// cols < the switch size) for smaller matrices and whenever divide and conquer returns non-finite
-/// values (Eigen 3.4's BDCSVD can on exactly degenerate inputs, e.g. a near-permutation softmax
-/// kernel with repeated rows). Raising the switch size above cols selects that fallback, which
-/// copies the result of `JacobiSVD<Matrix>(X, ComputeThinU | ComputeThinV)` unchanged. Only the
-/// oracle instantiates it (about 25 s of g++ -O2 per scalar type); the randomized and factorised
-/// engines, whose SVDs are n x (s + p) and p x p, use `thin_svd_qr_jacobi` (detail/jacobi_svd.hpp).
+/// Thin SVD X = U diag(s) W^T for the dense oracle (policy::DenseSvd): Householder QR and
+/// one-sided Jacobi (`thin_svd_qr_jacobi`, detail/jacobi_svd.hpp), in one serial region so that
+/// its products round the same way for any thread count.
+///
+/// Not Eigen's BDCSVD, which the oracle used until 2026-12-01: Eigen 3.4.0's divide and conquer
+/// is wrong on near-degenerate inputs, the near-permutation softmax kernels of large logits with
+/// repeated singular values. Measured on 40 x 40 row-softmax kernels of Gaussian Q and K (d = 8),
+/// 300 seeds at each logit scale 10, 100 and 1000, with -march=native on an AMD Zen 5 (AVX-512):
+/// g++ -O2 returned finite factors whose product missed X by more than 1e-10 (up to 1.0, the size
+/// of the entries) on 59 of the 900 inputs (57 at scale 1000) and NaN on 11; clang -O1 on 53 and
+/// 13. Built for plain x86-64, g++ stops at Eigen's assertion
+/// `index >= 0 && index < size()` in BDCSVD::perturbCol0, which reads perm(-1): an out-of-bounds
+/// read when assertions are off. A result check cannot guard against the latter, so the oracle no
+/// longer calls it. The price is speed (n = m, softmax kernel, d = 64, one core of the same
+/// machine: 0.013 / 0.11 / 0.83 / 9.0 s at n = 128 / 256 / 512 / 1024 against BDCSVD's 0.005 /
+/// 0.019 / 0.09 / 0.46 s) and the last digits (max |X - U S W^T| 1e-14 to 4e-14 against
+/// 2e-16 to 1e-15); the oracle serves tests and small comparisons. It also drops BDCSVD's 25 s
+/// of g++ -O2 per scalar type from every TU that instantiates the oracle.
 template <typename Scalar>
 void kep_thin_svd_dense(const Matrix<Scalar>& X, Matrix<Scalar>& U, Vector<Scalar>& s,
                         Matrix<Scalar>& W) {
-  Eigen::BDCSVD<Matrix<Scalar>> svd;
-  const auto jacobi = [&] {
-    svd.setSwitchSize(static_cast<int>(std::max<Index>(X.cols() + 1, 16)));
-    svd.compute(X, Eigen::ComputeThinU | Eigen::ComputeThinV);
-  };
-  if (std::min(X.rows(), X.cols()) > 16) {
-    svd.compute(X, Eigen::ComputeThinU | Eigen::ComputeThinV);
-    if (!(all_finite(svd.matrixU()) && all_finite(svd.matrixV()) &&
-          all_finite(svd.singularValues())))
-      jacobi();
-  } else {
-    jacobi();
-  }
-  U = svd.matrixU();
-  s = svd.singularValues();
-  W = svd.matrixV();
+  run_serial([&] { thin_svd_qr_jacobi(X, U, s, W); });
 }
 
 /// How many leading singular values to keep: at most `want`, and only those > rtol * s_0.
@@ -399,7 +393,7 @@ void kep_prepare(KepKernelCtx<Scalar, Kernel::has_features>& c, const ConstRef<S
   }
 }
 
-/// Dense oracle: the formed kernel, BDCSVD (JacobiSVD up to 16), exact residuals.
+/// Dense oracle: the formed kernel, its full thin SVD (QR + one-sided Jacobi), exact residuals.
 template <typename Scalar, bool Features>
 void kep_svd_dense(const KepKernelCtx<Scalar, Features>& c, Index want, double rtol,
                    kepsvgp::KsvdResult<Scalar>& out) {
@@ -416,11 +410,12 @@ void kep_svd_dense(const KepKernelCtx<Scalar, Features>& c, Index want, double r
   gemm(Update::Assign, out.E, Kd, out.Hr);
   gemm<Op::T>(Update::Assign, out.R, Kd, out.He);
   // Residuals formed directly from K (no cancellation): (K - K_s) and (K - H_e H_e^T K).
+  // Through gemm (its fixed panels outside a region): the oracle is thread-count invariant.
   Matrix<double> Res = Kd.template cast<double>();
-  Res.noalias() -= out.E.template cast<double>() * out.Hr.template cast<double>().transpose();
+  gemm<Op::N, Op::T>(Update::Sub, Res, as_double(out.E), as_double(out.Hr));
   out.res_row = Res.rowwise().squaredNorm().template cast<Scalar>();
   Res = Kd.template cast<double>();
-  Res.noalias() -= out.He.template cast<double>() * out.R.template cast<double>().transpose();
+  gemm<Op::N, Op::T>(Update::Sub, Res, as_double(out.He), as_double(out.R));
   out.res_col = Res.colwise().squaredNorm().transpose().template cast<Scalar>();
   out.sketch = std::min(c.n, c.m);
 }
