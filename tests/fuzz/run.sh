@@ -26,27 +26,36 @@ run_one() {
      -artifact_prefix="./$t-" -print_final_stats=1 "corpus_$t" ../../tests/fuzz/regressions) \
     >"$build/fuzz_$t.log" 2>&1
 }
-# EFFATTN_FUZZ_JOBS targets at a time (default: the number of cores), each on one core.
+# EFFATTN_FUZZ_JOBS targets at a time (default: the number of cores), each on one core: a pool,
+# so a core that finishes its target starts the next one (9 targets on 2 cores: 5 rounds of
+# SECONDS in lock-step left one core idle for the last round).
 jobs=${EFFATTN_FUZZ_JOBS:-$(nproc)}
+echo "== ${#targets[@]} targets, ${jobs} at a time, ${secs} s each"
+# Reports target $1 (finished, exit status $2); returns 1 if it failed.
+report_one() {
+  local t=$1 rc=$2
+  if [ "$rc" = 0 ]; then
+    echo "fuzz_$t: $(grep -E "^Done" "$build/fuzz_$t.log")," \
+      "$(grep -oE "new_units_added: +[0-9]+" "$build/fuzz_$t.log" | tr -s ' ')"
+    return 0
+  fi
+  cat "$build/fuzz_$t.log"
+  echo "fuzz_$t FAILED (input saved as $build/$t-crash-*)" >&2
+  return 1
+}
+declare -A running=()  # pid -> target
 failed=0
-for ((i = 0; i < ${#targets[@]}; i += jobs)); do
-  batch=("${targets[@]:i:jobs}")
-  echo "== ${batch[*]/#/fuzz_} for ${secs} s each"
-  pids=()
-  for t in "${batch[@]}"; do
-    run_one "$t" &
-    pids+=($!)
+next=0
+while [ "$next" -lt ${#targets[@]} ] || [ ${#running[@]} -gt 0 ]; do
+  while [ "$failed" = 0 ] && [ "$next" -lt ${#targets[@]} ] && [ ${#running[@]} -lt "$jobs" ]; do
+    run_one "${targets[next]}" &
+    running[$!]=${targets[next]}
+    next=$((next + 1))
   done
-  for k in "${!batch[@]}"; do
-    t=${batch[k]}
-    if wait "${pids[k]}"; then
-      echo "fuzz_$t: $(grep -E "^Done" "$build/fuzz_$t.log")," \
-        "$(grep -oE "new_units_added: +[0-9]+" "$build/fuzz_$t.log" | tr -s ' ')"
-    else
-      cat "$build/fuzz_$t.log"
-      echo "fuzz_$t FAILED (input saved as $build/$t-crash-*)" >&2
-      failed=1
-    fi
-  done
-  [ "$failed" = 0 ] || exit 1
+  [ ${#running[@]} -gt 0 ] || break
+  rc=0
+  wait -n -p done_pid "${!running[@]}" || rc=$?
+  report_one "${running[$done_pid]}" "$rc" || failed=1
+  unset "running[$done_pid]"
 done
+[ "$failed" = 0 ] || exit 1

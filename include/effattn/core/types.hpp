@@ -10,6 +10,9 @@
 #include <vector>
 
 #include "../config.hpp"
+#ifdef EFFATTN_EXTERN_EIGEN_KERNELS  // effattn's own targets only
+#include "../detail/eigen_kernels.hpp"
+#endif
 
 namespace effattn {
 
