@@ -7,7 +7,8 @@
 //     time), `of_single` (MultiHead GFLOP/s / single-head GFLOP/s);
 //   decode/<order>/m: MultiHead vs the per-head loop and a streaming-read loop over the same K
 //     and V buffers (OpenMP, vectorised sum); counters `GB/s`, `of_stream` (MultiHead bandwidth /
-//     streaming bandwidth), `x_vs_loop`;
+//     streaming bandwidth), `x_vs_loop`; decode_stream/<order>/m: the same without the per-head
+//     loop (its reference takes most of decode/'s time), to iterate on the decoding kernel;
 //   decode_order/tile: the same cache only summed, in the decoding kernel's order (head slice by
 //     head slice over tiles of `tile` keys) vs whole rows in order: `of_rows`.
 // Usage: bench_multi_head [--benchmark_filter=prefill/row] ...; smoke: --benchmark_filter=/smoke/
@@ -122,7 +123,7 @@ float stream_read(const M& K, const M& V) {
 }
 
 template <typename M>
-void bm_decode(benchmark::State& state) {
+void bm_decode(benchmark::State& state, bool with_loop) {
   const Index m = state.range(0), B = 1, H = 32, G = 8, d = 128;
   const M Q = packed<M>(B, H * d, 4), K = packed<M>(B * m, G * d, 5),
           V = packed<M>(B * m, G * d, 6);
@@ -139,7 +140,7 @@ void bm_decode(benchmark::State& state) {
     });
     state.SetIterationTime(t);
     t_mh += t;
-    t_loop += seconds([&] { per_head_loop(f, Q, K, V, B, 1, m, H, G, d, out); });
+    if (with_loop) t_loop += seconds([&] { per_head_loop(f, Q, K, V, B, 1, m, H, G, d, out); });
     t_stream += seconds([&] { benchmark::DoNotOptimize(stream_read(K, V)); });
   }
   const double iters = static_cast<double>(state.iterations());
@@ -147,7 +148,7 @@ void bm_decode(benchmark::State& state) {
   state.counters["GB/s"] = bytes / (t_mh / iters) * 1e-9;
   state.counters["stream_GB/s"] = bytes / (t_stream / iters) * 1e-9;
   state.counters["of_stream"] = t_stream / t_mh;
-  state.counters["x_vs_loop"] = t_loop / t_mh;
+  if (with_loop) state.counters["x_vs_loop"] = t_loop / t_mh;
   state.SetComplexityN(m);
 }
 
@@ -211,8 +212,13 @@ int main(int argc, char** argv) {
       bm_prefill<ColMat>(s, causal, false);
     })->Apply(prefill_args);
   }
-  benchmark::RegisterBenchmark("decode/row", bm_decode<RowMat>)->Apply(decode_args);
-  benchmark::RegisterBenchmark("decode/col", bm_decode<ColMat>)->Apply(decode_args);
+  for (const bool loop : {true, false}) {
+    const std::string name = loop ? "decode/" : "decode_stream/";
+    const auto row = [loop](benchmark::State& s) { bm_decode<RowMat>(s, loop); };
+    const auto col = [loop](benchmark::State& s) { bm_decode<ColMat>(s, loop); };
+    benchmark::RegisterBenchmark((name + "row").c_str(), row)->Apply(decode_args);
+    benchmark::RegisterBenchmark((name + "col").c_str(), col)->Apply(decode_args);
+  }
   benchmark::RegisterBenchmark("decode_order", bm_decode_order)
       ->UseManualTime()
       ->Unit(benchmark::kMillisecond)
@@ -227,7 +233,8 @@ int main(int argc, char** argv) {
       ->UseManualTime()
       ->Arg(16)
       ->Iterations(1);
-  benchmark::RegisterBenchmark("multi_head/smoke/decode", bm_decode<RowMat>)
+  benchmark::RegisterBenchmark("multi_head/smoke/decode",
+                               [](benchmark::State& s) { bm_decode<RowMat>(s, true); })
       ->UseManualTime()
       ->Arg(64)
       ->Iterations(1);

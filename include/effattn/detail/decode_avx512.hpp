@@ -116,11 +116,12 @@ EFFATTN_TARGET_AVX512 inline __m512 decode_reduce16(const __m512* c) noexcept {
 }
 
 /// acc[q][0, U 16) += sum_k p[q][k] v_k[0, U 16) for NR rows over `cols` keys (U 16-lane chunks
-/// per pass: NR x U accumulators).
+/// per pass: NR x U accumulators); with `vpf`, each value load is paired with a prefetch of the
+/// same columns of row vpf[k].
 template <int NR, int U>
 EFFATTN_TARGET_AVX512 inline void decode_accumulate(const float (*p)[16], const float* const* vp,
-                                                    Index cols, Index x,
-                                                    float* const* acc) noexcept {
+                                                    Index cols, Index x, float* const* acc,
+                                                    const float* const* vpf) noexcept {
   __m512 a[NR][U];
   EFFATTN_UNROLL8
   for (int q = 0; q < NR; ++q) EFFATTN_UNROLL8
@@ -129,6 +130,10 @@ EFFATTN_TARGET_AVX512 inline void decode_accumulate(const float (*p)[16], const 
     __m512 v[U];
     EFFATTN_UNROLL8
     for (int u = 0; u < U; ++u) v[u] = _mm512_loadu_ps(vp[k] + x + 16 * u);
+    if (vpf != nullptr) {
+      EFFATTN_UNROLL8
+      for (int u = 0; u < U; ++u) __builtin_prefetch(vpf[k] + x + 16 * u, 0, 3);
+    }
     EFFATTN_UNROLL8
     for (int q = 0; q < NR; ++q) {
       const __m512 b = _mm512_set1_ps(p[q][k]);
@@ -144,13 +149,16 @@ EFFATTN_TARGET_AVX512 inline void decode_accumulate(const float (*p)[16], const 
 /// NR (1-4) stacked query rows of one kv head against `cols` (1-16) keys: q rows at q + r ldq
 /// (scaled), key and value rows at kp[k], vp[k] (k < 16; entries from `cols` on may repeat a
 /// valid row: their scores are masked), state m[r], l[r], acc[r] (the unnormalised output row,
-/// dv columns), updated in place with the lazy maximum of the file documentation.
+/// dv columns), updated in place with the lazy maximum of the file documentation. `kpf`, `vpf`
+/// (16 rows each, or null): rows to prefetch, one prefetch beside each key or value load, so
+/// the prefetches of the next keys are spread over this call's arithmetic.
 /// \returns false if a score of the `cols` keys was not finite.
 template <int NR>
 EFFATTN_TARGET_AVX512 inline bool decode_rows16(const float* q, Index ldq, Index d,
                                                 const float* const* kp, const float* const* vp,
                                                 Index cols, Index dv, float* m, double* l,
-                                                float* const* acc) noexcept {
+                                                float* const* acc, const float* const* kpf,
+                                                const float* const* vpf) noexcept {
   static_assert(NR >= 1 && NR <= 4, "1 to 4 rows");
   __m512 blk[4];
   for (int b = 0; b < 4; ++b) {
@@ -164,6 +172,12 @@ EFFATTN_TARGET_AVX512 inline bool decode_rows16(const float* q, Index ldq, Index
     for (Index x = 0; x < d; x += 16) {
       const __m512 v0 = _mm512_loadu_ps(k0 + x), v1 = _mm512_loadu_ps(k1 + x),
                    v2 = _mm512_loadu_ps(k2 + x), v3 = _mm512_loadu_ps(k3 + x);
+      if (kpf != nullptr) {
+        __builtin_prefetch(kpf[4 * b] + x, 0, 3);
+        __builtin_prefetch(kpf[4 * b + 1] + x, 0, 3);
+        __builtin_prefetch(kpf[4 * b + 2] + x, 0, 3);
+        __builtin_prefetch(kpf[4 * b + 3] + x, 0, 3);
+      }
       EFFATTN_UNROLL8
       for (int r = 0; r < NR; ++r) {
         const __m512 qv = _mm512_loadu_ps(q + r * ldq + x);
@@ -212,8 +226,8 @@ EFFATTN_TARGET_AVX512 inline bool decode_rows16(const float* q, Index ldq, Index
     _mm512_store_ps(p[r], e);
   }
   Index x = 0;
-  for (; x + 64 <= dv; x += 64) decode_accumulate<NR, 4>(p, vp, cols, x, acc);
-  for (; x < dv; x += 16) decode_accumulate<NR, 1>(p, vp, cols, x, acc);
+  for (; x + 64 <= dv; x += 64) decode_accumulate<NR, 4>(p, vp, cols, x, acc, vpf);
+  for (; x < dv; x += 16) decode_accumulate<NR, 1>(p, vp, cols, x, acc, vpf);
   return finite;
 }
 

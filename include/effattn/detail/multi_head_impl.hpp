@@ -440,10 +440,14 @@ bool mh_exact_pass(const MhExactProblem<Scalar>& P, const MhBlock& blk, Index sp
 /// An unmasked key tile [j0, j0 + cols) of `mh_decode_pass` with the fp32 AVX-512 kernel
 /// (`decode_rows16`, see decode_avx512.hpp): 16-key sub-tiles, each read for every kv head of
 /// the block in turn (whole cache rows, in order), every group's rows 4 at a time. While kv head
-/// g of one sub-tile is computed, its slices of the next sub-tile are prefetched: a cache row is
-/// often a page (kv_heads d = 1024 floats) and the hardware prefetchers stop at page boundaries
-/// (measured with the kernel alone at m = 32768, G = 8, d = 128, 2 threads: 0.70 of the
-/// streaming rate without the prefetch, 0.80 with it; two sub-tiles ahead 0.76-0.80).
+/// g of one sub-tile is computed, the kernel prefetches its slices of the next sub-tile, one
+/// prefetch beside each load (`kpf`, `vpf`): a cache row is often a page (kv_heads d = 1024
+/// floats) and the hardware prefetchers stop at page boundaries. Measured on an AMD Zen 5,
+/// m = 32768, G = 8, d = 128, 2 threads, `bench_multi_head --benchmark_filter=decode_stream`
+/// (cache rates in the same runs; the machine's streaming rate varied 35-62 GB/s): 26-31 GB/s
+/// against 18-23 GB/s when the same prefetches were issued in one burst per kv head before its
+/// compute (the miss buffers filled, then the memory idled while the kernel computed). One
+/// sub-tile ahead is enough: two or three gave the same or less.
 inline bool mh_decode_tile_avx512(const MhExactProblem<float>& P, const MhTask& t,
                                   const MhBlock& blk, Index j0, Index cols,
                                   MhWorkspace<float>& ws) {
@@ -452,20 +456,29 @@ inline bool mh_decode_tile_avx512(const MhExactProblem<float>& P, const MhTask& 
   bool finite = true;
   const float* kp[16];
   const float* vp[16];
+  const float* kpf[16];
+  const float* vpf[16];
   for (Index c0 = 0; c0 < cols; c0 += 16) {
     const Index kc = std::min<Index>(16, cols - c0);
     const Index next = j0 + c0 + 16, next_end = std::min(next + 16, t.k_end);
     for (Index g = t.g_first; g <= t.g_last; ++g) {
-      for (Index j = next; j < next_end; ++j) {
-        const float* pk = P.K.at(t.kb + j, g * d);
-        const float* pv = P.V.at(t.kb + j, g * dv);
-        for (Index x = 0; x < d; x += 16) __builtin_prefetch(pk + x, 0, 3);
-        for (Index x = 0; x < dv; x += 16) __builtin_prefetch(pv + x, 0, 3);
-      }
       for (Index u = 0; u < 16; ++u) {
         const Index key = t.kb + j0 + c0 + std::min<Index>(u, kc - 1);
         kp[u] = P.K.at(key, g * d);
         vp[u] = P.V.at(key, g * dv);
+      }
+      // The next sub-tile's rows of this kv head (repeating its last row past the end), or
+      // nothing after the last one; only the first 4-row call of the group issues them.
+      const float* const* kpf_use = nullptr;
+      const float* const* vpf_use = nullptr;
+      if (next < next_end) {
+        for (Index u = 0; u < 16; ++u) {
+          const Index key = t.kb + std::min<Index>(next + u, next_end - 1);
+          kpf[u] = P.K.at(key, g * d);
+          vpf[u] = P.V.at(key, g * dv);
+        }
+        kpf_use = kpf;
+        vpf_use = vpf;
       }
       const auto [r0, nr] = t.group_rows(blk, P.group, g);
       for (Index r = r0; r < r0 + nr; r += 4) {
@@ -478,19 +491,21 @@ inline bool mh_decode_tile_avx512(const MhExactProblem<float>& P, const MhTask& 
         bool ok = true;
         switch (rows) {
           case 4:
-            ok = decode_rows16<4>(q, ldq, d, kp, vp, kc, dv, m, l, acc);
+            ok = decode_rows16<4>(q, ldq, d, kp, vp, kc, dv, m, l, acc, kpf_use, vpf_use);
             break;
           case 3:
-            ok = decode_rows16<3>(q, ldq, d, kp, vp, kc, dv, m, l, acc);
+            ok = decode_rows16<3>(q, ldq, d, kp, vp, kc, dv, m, l, acc, kpf_use, vpf_use);
             break;
           case 2:
-            ok = decode_rows16<2>(q, ldq, d, kp, vp, kc, dv, m, l, acc);
+            ok = decode_rows16<2>(q, ldq, d, kp, vp, kc, dv, m, l, acc, kpf_use, vpf_use);
             break;
           default:
-            ok = decode_rows16<1>(q, ldq, d, kp, vp, kc, dv, m, l, acc);
+            ok = decode_rows16<1>(q, ldq, d, kp, vp, kc, dv, m, l, acc, kpf_use, vpf_use);
             break;
         }
         finite = finite && ok;
+        kpf_use = nullptr;
+        vpf_use = nullptr;
       }
     }
   }
