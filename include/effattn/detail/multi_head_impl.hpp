@@ -460,7 +460,9 @@ inline bool mh_decode_tile_avx512(const MhExactProblem<float>& P, const MhTask& 
   const float* vpf[16];
   for (Index c0 = 0; c0 < cols; c0 += 16) {
     const Index kc = std::min<Index>(16, cols - c0);
-    const Index next = j0 + c0 + 16, next_end = std::min(next + 16, t.k_end);
+    // The next sub-tile starts where this one ends (kc < 16 also inside a task when the key
+    // tile is not a multiple of 16 keys).
+    const Index next = j0 + c0 + kc, next_end = std::min(next + 16, t.k_end);
     for (Index g = t.g_first; g <= t.g_last; ++g) {
       for (Index u = 0; u < 16; ++u) {
         const Index key = t.kb + j0 + c0 + std::min<Index>(u, kc - 1);
