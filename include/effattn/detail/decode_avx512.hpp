@@ -101,12 +101,15 @@ EFFATTN_TARGET_AVX512 inline __m512 decode_exp16(__m512 x) noexcept {
 /// lane 4 q + k: pairs of vectors are folded by 128-bit lanes, then by 64- and 32-bit elements.
 EFFATTN_TARGET_AVX512 inline __m512 decode_reduce16(const __m512* c) noexcept {
   __m512 x[8], y[4], z[2];
+  EFFATTN_UNROLL8
   for (int i = 0; i < 8; ++i)  // [a.l0 + a.l2, a.l1 + a.l3, b.l0 + b.l2, b.l1 + b.l3]
     x[i] = _mm512_add_ps(_mm512_maskz_shuffle_f32x4(kDecodeAll, c[2 * i], c[2 * i + 1], 0x44),
                          _mm512_maskz_shuffle_f32x4(kDecodeAll, c[2 * i], c[2 * i + 1], 0xEE));
+  EFFATTN_UNROLL8
   for (int i = 0; i < 4; ++i)  // 128-bit lane j: 4 partial sums of c[4 i + j]
     y[i] = _mm512_add_ps(_mm512_maskz_shuffle_f32x4(kDecodeAll, x[2 * i], x[2 * i + 1], 0x88),
                          _mm512_maskz_shuffle_f32x4(kDecodeAll, x[2 * i], x[2 * i + 1], 0xDD));
+  EFFATTN_UNROLL8
   for (int i = 0; i < 2; ++i)
     z[i] = _mm512_add_ps(
         _mm512_maskz_shuffle_ps(kDecodeAll, y[2 * i], y[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
