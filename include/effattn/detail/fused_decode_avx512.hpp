@@ -325,7 +325,8 @@ EFFATTN_TARGET_AVX512 bool fused_decode_keys(const FusedDecodeProblem<In>& P, In
       __m512 a[NR][U];
       // The loops over rows and partial sums are unrolled so that `a` lives in registers: GCC
       // -O2 left them rolled, with `a` on the stack and a load, FMA and store per row and chunk
-      // (measured, 16 rows, d = 128, m = 32768, 1 thread: 4.3 GB/s before).
+      // (fp32, 16 queries, d = 128, m = 32768, 2 threads, AMD Zen 5: 9 GB/s rolled, 22 GB/s
+      // unrolled; the same operations in the same order).
       EFFATTN_UNROLL16
       for (int i = 0; i < NR; ++i) {
         EFFATTN_UNROLL16
