@@ -440,9 +440,17 @@ bool mh_exact_pass(const MhExactProblem<Scalar>& P, const MhBlock& blk, Index sp
 /// An unmasked key tile [j0, j0 + cols) of `mh_decode_pass` with the fp32 AVX-512 kernel
 /// (`decode_rows16`, see decode_avx512.hpp): 16-key sub-tiles, each read for every kv head of
 /// the block in turn (whole cache rows, in order), every group's rows 4 at a time. While kv head
-/// g of one sub-tile is computed, the kernel prefetches its slices of the next sub-tile, one
+/// g of one sub-tile is computed, the kernel prefetches a share of the next sub-tile, one
 /// prefetch beside each load (`kpf`, `vpf`): a cache row is often a page (kv_heads d = 1024
-/// floats) and the hardware prefetchers stop at page boundaries. Measured on an AMD Zen 5,
+/// floats) and the hardware prefetchers stop at page boundaries. The share is in cache-row order:
+/// the next sub-tile's (key, kv head) slices numbered along the rows, the i-th kv head of the
+/// block prefetching slices 16 i to 16 i + 15 (at kv_heads = 8, two whole rows), so memory sees
+/// whole rows in order. Against prefetching each kv head's own slices of the next 16 rows (one
+/// slice per page, 16 pages at a time; `decode_order` reads in that order at 0.64-0.75 of the
+/// rate of whole rows): 27.0 -> 31.3 GB/s, median of 8 alternating runs of
+/// `decode_stream/row/32768` (per-run ratio 0.97-1.32, median 1.19; AMD Zen 5, 2 threads,
+/// 2026-12-02). A second, near prefetch into L1 (the next kv head's slices of the current
+/// sub-tile) or prefetching into L2 only gained nothing beyond the noise. Earlier, on Zen 5,
 /// m = 32768, G = 8, d = 128, 2 threads, `bench_multi_head --benchmark_filter=decode_stream`
 /// (cache rates in the same runs; the machine's streaming rate varied 35-62 GB/s): 26-31 GB/s
 /// against 18-23 GB/s when the same prefetches were issued in one burst per kv head before its
@@ -458,6 +466,7 @@ inline bool mh_decode_tile_avx512(const MhExactProblem<float>& P, const MhTask& 
   const float* vp[16];
   const float* kpf[16];
   const float* vpf[16];
+  const Index ng = t.g_last - t.g_first + 1;  // kv heads of the block
   for (Index c0 = 0; c0 < cols; c0 += 16) {
     const Index kc = std::min<Index>(16, cols - c0);
     // The next sub-tile starts where this one ends (kc < 16 also inside a task when the key
@@ -469,15 +478,16 @@ inline bool mh_decode_tile_avx512(const MhExactProblem<float>& P, const MhTask& 
         kp[u] = P.K.at(key, g * d);
         vp[u] = P.V.at(key, g * dv);
       }
-      // The next sub-tile's rows of this kv head (repeating its last row past the end), or
-      // nothing after the last one; only the first 4-row call of the group issues them.
+      // This kv head's share of the next sub-tile, in row order (repeating the last row past
+      // the end), or nothing after the last sub-tile; only the group's first 4-row call issues
+      // them.
       const float* const* kpf_use = nullptr;
       const float* const* vpf_use = nullptr;
       if (next < next_end) {
         for (Index u = 0; u < 16; ++u) {
-          const Index key = t.kb + std::min<Index>(next + u, next_end - 1);
-          kpf[u] = P.K.at(key, g * d);
-          vpf[u] = P.V.at(key, g * dv);
+          const Index c = (g - t.g_first) * 16 + u, key = std::min(next + c / ng, next_end - 1);
+          kpf[u] = P.K.at(t.kb + key, (t.g_first + c % ng) * d);
+          vpf[u] = P.V.at(t.kb + key, (t.g_first + c % ng) * dv);
         }
         kpf_use = kpf;
         vpf_use = vpf;
