@@ -444,8 +444,8 @@ bool mh_exact_pass(const MhExactProblem<Scalar>& P, const MhBlock& blk, Index sp
 /// prefetch beside each load (`kpf`, `vpf`): a cache row is often a page (kv_heads d = 1024
 /// floats) and the hardware prefetchers stop at page boundaries. The share is in cache-row order:
 /// the next sub-tile's (key, kv head) slices numbered along the rows, the i-th kv head of the
-/// block prefetching slices 16 i to 16 i + 15 (at kv_heads = 8, two whole rows), so memory sees
-/// whole rows in order. Against prefetching each kv head's own slices of the next 16 rows (one
+/// block prefetching slices 16 i to 16 i + 15 (8 kv heads in the block: two whole rows), so memory
+/// sees whole rows in order. Against prefetching each kv head's own slices of the next 16 rows (one
 /// slice per page, 16 pages at a time; `decode_order` reads in that order at 0.64-0.75 of the
 /// rate of whole rows): 27.0 -> 31.3 GB/s, median of 8 alternating runs of
 /// `decode_stream/row/32768` (per-run ratio 0.97-1.32, median 1.19; AMD Zen 5, 2 threads,
