@@ -4,7 +4,8 @@
 //   prefill/<order>/<causal>/L: MultiHead exact Tiled vs the same work as a per-head loop of
 //     ExactAttention calls, and vs one large single-head problem of the same flop count
 //     (n = m = L sqrt(B H)); counters `GFLOP/s` (MultiHead), `x_vs_loop` (loop time / MultiHead
-//     time), `of_single` (MultiHead GFLOP/s / single-head GFLOP/s);
+//     time), `of_single` (MultiHead GFLOP/s / single-head GFLOP/s), `into_of_single` (the same for
+//     `compute_into` a reused output buffer: no allocation and no fresh pages per call);
 //   decode/<order>/m: MultiHead vs the per-head loop and a streaming-read loop over the same K
 //     and V buffers (OpenMP, vectorised sum); counters `GB/s`, `of_stream` (MultiHead bandwidth /
 //     streaming bandwidth), `x_vs_loop`; decode_stream/<order>/m: the same without the per-head
@@ -77,8 +78,8 @@ void bm_prefill(benchmark::State& state, bool causal, bool single) {
     Ks = Matrix<float>::Random(n, d);
     Vs = Matrix<float>::Random(n, d);
   }
-  MQ out(T, H * d);
-  double t_mh = 0, t_loop = 0, t_single = 0;
+  MQ out(T, H * d), into = MQ::Zero(T, H * d);
+  double t_mh = 0, t_loop = 0, t_single = 0, t_into = 0;
   for (auto _ : state) {
     const double t = seconds([&] {
       auto r = mh.compute(Q, K, V, cu, cu);
@@ -87,6 +88,12 @@ void bm_prefill(benchmark::State& state, bool causal, bool single) {
     state.SetIterationTime(t);
     t_mh += t;
     t_loop += seconds([&] { per_head_loop(f, Q, K, V, B, L, L, H, G, d, out); });
+    if (with_single)
+      t_into += seconds([&] {
+        auto r = mh.compute_into(Q, K, V, into, cu, cu);
+        benchmark::DoNotOptimize(into.data());
+        benchmark::DoNotOptimize(r.info);
+      });
     if (with_single)
       t_single += seconds([&] {
         auto r = f.compute(Qs, Ks, Vs);
@@ -101,6 +108,7 @@ void bm_prefill(benchmark::State& state, bool causal, bool single) {
   if (with_single) {
     const double single_flops = (causal ? 2.0 : 4.0) * static_cast<double>(n * n * d);
     state.counters["of_single"] = (flops / t_mh) / (single_flops / t_single);
+    state.counters["into_of_single"] = (flops / t_into) / (single_flops / t_single);
   }
   state.SetComplexityN(L);
 }

@@ -283,6 +283,72 @@ TEST_CASE("MultiHead reads strided maps and evaluates expressions", "[multi_head
   CHECK(a.output == c.output);
 }
 
+TEST_CASE("MultiHead compute_into writes compute's output into the caller's buffer",
+          "[multi_head]") {
+  // GQA 2, ragged: a decoding sequence (stacked heads), a short one and a 300-token prefill
+  // (several query blocks), causal, for the exact kernel and a per-head method (Conv-Basis).
+  const Index H = 4, G = 2, d = 16, dv = 8;
+  const SeqOffsets cu = offsets_of({1, 7, 300});
+  const Index T = cu.back();
+  const Packed<float> p(T, T, H, G, d, dv, 11u);
+  ExactOptions causal;
+  causal.causal = true;
+  auto check_method = [&](const auto& mh) {
+    const auto ref = mh.compute(p.Q, p.K, p.V, cu, cu);
+    REQUIRE(ref.info == Info::Success);
+    // Row-major (Q's order), column-major, and a block of a larger row-major buffer whose
+    // padding must stay untouched.
+    RowMat<float> row = RowMat<float>::Constant(T, H * dv, 7.0f);
+    Matrix<float> col = Matrix<float>::Constant(T, H * dv, 7.0f);
+    RowMat<float> big = RowMat<float>::Constant(T + 3, H * dv + 5, -3.0f);
+    const auto rr = mh.compute_into(p.Q, p.K, p.V, row, cu, cu);
+    const auto rc = mh.compute_into(p.Q, p.K, p.V, col, cu, cu);
+    const auto rb = mh.compute_into(p.Q, p.K, p.V, big.block(2, 1, T, H * dv), cu, cu);
+    for (const auto* r : {&rr, &rc, &rb}) {
+      CHECK(r->info == Info::Success);
+      CHECK(r->output.size() == 0);
+      REQUIRE(r->head_results.size() == ref.head_results.size());
+      CHECK(r->batch == ref.batch);
+      CHECK(r->tasks == ref.tasks);
+    }
+    CHECK(row == ref.output);
+    CHECK(col == Matrix<float>(ref.output));
+    CHECK(RowMat<float>(big.block(2, 1, T, H * dv)) == ref.output);
+    CHECK((big.topRows(2).array() == -3.0f).all());
+    CHECK((big.bottomRows(1).array() == -3.0f).all());
+    CHECK((big.col(0).array() == -3.0f).all());
+    CHECK((big.rightCols(4).array() == -3.0f).all());
+  };
+  check_method(MultiHead<ExactAttentionf>(causal, {H, G}));
+  check_method(MultiHead<ConvBasisAttention<float>>({}, {H, G}));
+  // The exact kernel's lse per head is the same as compute's.
+  const MultiHead<ExactAttentionf> mh(causal, {H, G});
+  const auto ref = mh.compute(p.Q, p.K, p.V, cu, cu);
+  RowMat<float> out(T, H * dv);
+  const auto r = mh.compute_into(p.Q, p.K, p.V, out, cu, cu);
+  for (Index b = 0; b < 3; ++b)
+    for (Index h = 0; h < H; ++h) CHECK(r.head(b, h).lse == ref.head(b, h).lse);
+
+  // Bad output buffers.
+  auto throws_with = [](auto&& call, const std::string& needle) {
+    testing::require_invalid_argument(call, needle);
+  };
+  RowMat<float> small(T - 1, H * dv), narrow(T, H * dv - 1);
+  throws_with([&] { (void)mh.compute_into(p.Q, p.K, p.V, small, cu, cu); }, "out must be");
+  throws_with([&] { (void)mh.compute_into(p.Q, p.K, p.V, narrow, cu, cu); }, "T_q x heads dv");
+  Matrix<float> wide(T, 2 * H * dv);
+  const Eigen::Map<Matrix<float>, 0, Eigen::InnerStride<2>> strided(wide.data(), T, H * dv,
+                                                                    Eigen::InnerStride<2>());
+  throws_with([&] { (void)mh.compute_into(p.Q, p.K, p.V, strided, cu, cu); }, "inner stride 1");
+  // Writing over an input (dv = d here, so V itself has the output's shape per kv head: use a
+  // layout whose output is V's shape).
+  const Packed<float> sq(T, T, 2, 2, d, d, 12u);
+  const MultiHead<ExactAttentionf> mh2(causal, {2, 2});
+  RowMat<float> v2 = sq.V, q2 = sq.Q;
+  throws_with([&] { (void)mh2.compute_into(sq.Q, sq.K, v2, v2, cu, cu); }, "out overlaps V");
+  throws_with([&] { (void)mh2.compute_into(q2, sq.K, sq.V, q2, cu, cu); }, "out overlaps Q");
+}
+
 TEMPLATE_TEST_CASE("MultiHead does not depend on the thread count", "[multi_head][threads]", float,
                    double) {
 #if EFFATTN_HAS_OPENMP

@@ -185,6 +185,22 @@ class MultiHead {
       const Eigen::MatrixBase<DV>& V, const SeqOffsets& cu_seqlens_q = {},
       const SeqOffsets& cu_seqlens_k = {}, const std::vector<Index>& seqused_k = {}) const;
 
+  /// `compute` writing the output into `out` (T_q x heads dv, either storage order, inner stride
+  /// 1: a Matrix, a Map of a model's buffer or a block of one) instead of a new matrix; the
+  /// Result's `output` stays empty. A model that reuses one output buffer per layer saves the
+  /// allocation and the kernel's zeroing of fresh pages on every call (a prefill output is
+  /// 64 MiB at B = 8, L = 512, 32 heads of 128: see the README, "Using it in a model").
+  /// The values are bit-identical to `compute`'s; `backward` needs `compute`'s Result (it reads
+  /// the output). When the call throws, `out` may have been partly written.
+  /// \throws effattn::invalid_argument as `compute`, and if `out` has the wrong shape, an inner
+  ///         stride other than 1, or overlaps Q, K or V.
+  template <typename DQ, typename DK, typename DV, typename DOut>
+  [[nodiscard]] MultiHeadResult<F, (DQ::IsRowMajor ? Eigen::RowMajor : Eigen::ColMajor)>
+  compute_into(const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
+               const Eigen::MatrixBase<DV>& V, const Eigen::MatrixBase<DOut>& out,
+               const SeqOffsets& cu_seqlens_q = {}, const SeqOffsets& cu_seqlens_k = {},
+               const std::vector<Index>& seqused_k = {}) const;
+
   /// Gradients of a loss through `compute` (methods with a `backward`: exact attention, both
   /// policies and TiledBf16, Conv-Basis, Performer): given the packed Q, K, V and offsets of the
   /// forward call, its `result` and dO = dL/dO (T_q x heads dv, the output's shape), returns

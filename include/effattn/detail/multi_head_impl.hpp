@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <limits>
 #include <string>
 #include <type_traits>
@@ -872,6 +873,80 @@ MultiHead<F>::MultiHead(Options opts, HeadLayout layout) : m_functor(opts), m_la
                             ") must be a multiple of kv_heads (", m_layout.kv_heads, ")"));
 }
 
+namespace detail {
+
+/// Whether the memory spans of two packed views overlap.
+template <typename Scalar, typename PtrA, typename PtrB>
+bool views_overlap(const PackedView<Scalar, PtrA>& a, const PackedView<Scalar, PtrB>& b) {
+  if (a.rows == 0 || a.cols == 0 || b.rows == 0 || b.cols == 0) return false;
+  const auto lo = [](const auto& v) { return reinterpret_cast<std::uintptr_t>(v.at(0, 0)); };
+  const auto hi = [](const auto& v) {
+    return reinterpret_cast<std::uintptr_t>(v.at(v.rows - 1, v.cols - 1) + 1);
+  };
+  return lo(a) < hi(b) && lo(b) < hi(a);
+}
+
+/// The forward pass of `MultiHead<F>::compute` and `compute_into` on packed views of checked
+/// inputs (`mb`): writes the output into `ov` (T_q x heads dv) and fills r's status and
+/// per-head Results (not `r.output`).
+template <typename F, int Order>
+void multi_head_forward(const F& functor, const HeadLayout& layout,
+                        const PackedView<typename F::Scalar>& qv,
+                        const PackedView<typename F::Scalar>& kv,
+                        const PackedView<typename F::Scalar>& vv, const MultiHeadBatch& mb,
+                        const PackedView<typename F::Scalar, typename F::Scalar*>& ov,
+                        MultiHeadResult<F, Order>& r) {
+  using Scalar = typename F::Scalar;
+  constexpr bool kExactTiled = std::is_same_v<F, ExactAttention<Scalar, policy::Tiled>>;
+  const Index H = layout.heads, group = layout.heads / layout.kv_heads;
+  r.batch = mb.batch();
+  r.heads = H;
+  r.kv_heads = layout.kv_heads;
+  if constexpr (kExactTiled) {
+    const ExactOptions& o = functor.options();
+    for (Index b = 0; b < mb.batch(); ++b) {
+      const std::size_t i = static_cast<std::size_t>(b);
+      EFFATTN_CHECK(!o.causal || mb.k_len[i] >= mb.q[i + 1] - mb.q[i],
+                    cat("MultiHead<", F::name,
+                        ">: causal attention needs as many keys "
+                        "as queries in every sequence; sequence ",
+                        b, " has ", mb.q[i + 1] - mb.q[i], " queries and ", mb.k_len[i], " keys"));
+    }
+    bool scores_finite = true;
+    multi_head_exact<Scalar>(o, layout, qv, kv, vv, ov, mb, r.head_results, r.tasks, scores_finite);
+    // Each block's rows were checked for finiteness in cache by the kernel.
+    r.info = Info::Success;
+    for (const auto& hr : r.head_results)
+      if (hr.info != Info::Success) r.info = Info::NumericalIssue;
+    // Non-finite queries, scores or output: a non-finite query, key or value throws
+    // invalid_argument here (the inputs are scanned only then); otherwise it was an overflow
+    // (info says so).
+    if (!scores_finite || r.info != Info::Success) {
+      check_finite_view(qv, "Q");
+      check_finite_view(kv, "K");
+      check_finite_view(vv, "V");
+    }
+  } else {
+    check_finite_view(kv, "K");
+    check_finite_view(vv, "V");
+    r.tasks = mb.batch() * H;
+    run_per_head<F>(qv, mb.q, H, mb.d, mb.dv, ov, r.head_results, r.info,
+                    [&](Index b, Index h, const ConstRef<Scalar>& q) {
+                      const std::size_t i = static_cast<std::size_t>(b);
+                      const Index k0 = mb.k[i], nk = mb.k_len[i], g = h / group;
+                      typename F::Result res;
+                      with_slice_ref(kv, k0, nk, g * mb.d, mb.d, [&](const ConstRef<Scalar>& k) {
+                        with_slice_ref(
+                            vv, k0, nk, g * mb.dv, mb.dv,
+                            [&](const ConstRef<Scalar>& v) { res = functor.compute(q, k, v); });
+                      });
+                      return res;
+                    });
+  }
+}
+
+}  // namespace detail
+
 template <typename F>
 template <typename DQ, typename DK, typename DV>
 MultiHeadResult<F, (DQ::IsRowMajor ? Eigen::RowMajor : Eigen::ColMajor)> MultiHead<F>::compute(
@@ -893,63 +968,63 @@ MultiHeadResult<F, (DQ::IsRowMajor ? Eigen::RowMajor : Eigen::ColMajor)> MultiHe
   const detail::MultiHeadBatch mb =
       detail::check_multi_head(qv, kv, vv, m_layout, cu_seqlens_q, cu_seqlens_k, seqused_k,
                                /*check_q=*/!kExactTiled);
-  const Index H = m_layout.heads, group = m_layout.heads / m_layout.kv_heads;
-
   MultiHeadResult<F, order> r;
-  r.batch = mb.batch();
-  r.heads = H;
-  r.kv_heads = m_layout.kv_heads;
-  r.output.resize(qv.rows, H * mb.dv);
+  r.output.resize(qv.rows, m_layout.heads * mb.dv);
   // A prefill output is large (64 MiB at B = 8, L = 512, 32 heads of 128) and written once:
   // its page faults were 6% of the exact kernel's time with 4 KiB pages.
   detail::advise_huge_pages(r.output);
   const detail::PackedView<Scalar, Scalar*> ov{
       r.output.data(), r.output.rows(), r.output.cols(),
       order == Eigen::RowMajor ? r.output.cols() : r.output.rows(), order == Eigen::RowMajor};
-  if constexpr (kExactTiled) {
-    const ExactOptions& o = m_functor.options();
-    for (Index b = 0; b < mb.batch(); ++b) {
-      const std::size_t i = static_cast<std::size_t>(b);
-      EFFATTN_CHECK(
-          !o.causal || mb.k_len[i] >= mb.q[i + 1] - mb.q[i],
-          detail::cat("MultiHead<", F::name,
-                      ">: causal attention needs as many keys "
-                      "as queries in every sequence; sequence ",
-                      b, " has ", mb.q[i + 1] - mb.q[i], " queries and ", mb.k_len[i], " keys"));
-    }
-    bool scores_finite = true;
-    detail::multi_head_exact<Scalar>(o, m_layout, qv, kv, vv, ov, mb, r.head_results, r.tasks,
-                                     scores_finite);
-    // Each block's rows were checked for finiteness in cache by the kernel.
-    r.info = Info::Success;
-    for (const auto& hr : r.head_results)
-      if (hr.info != Info::Success) r.info = Info::NumericalIssue;
-    // Non-finite queries, scores or output: a non-finite query, key or value throws
-    // invalid_argument here (the inputs are scanned only then); otherwise it was an overflow
-    // (info says so).
-    if (!scores_finite || r.info != Info::Success) {
-      detail::check_finite_view(qv, "Q");
-      detail::check_finite_view(kv, "K");
-      detail::check_finite_view(vv, "V");
-    }
-  } else {
-    detail::check_finite_view(kv, "K");
-    detail::check_finite_view(vv, "V");
-    r.tasks = mb.batch() * H;
-    detail::run_per_head<F>(
-        qv, mb.q, H, mb.d, mb.dv, ov, r.head_results, r.info,
-        [&](Index b, Index h, const ConstRef<Scalar>& q) {
-          const std::size_t i = static_cast<std::size_t>(b);
-          const Index k0 = mb.k[i], nk = mb.k_len[i], g = h / group;
-          typename F::Result res;
-          detail::with_slice_ref(kv, k0, nk, g * mb.d, mb.d, [&](const ConstRef<Scalar>& k) {
-            detail::with_slice_ref(vv, k0, nk, g * mb.dv, mb.dv, [&](const ConstRef<Scalar>& v) {
-              res = m_functor.compute(q, k, v);
-            });
-          });
-          return res;
-        });
-  }
+  detail::multi_head_forward(m_functor, m_layout, qv, kv, vv, mb, ov, r);
+  return r;
+}
+
+template <typename F>
+template <typename DQ, typename DK, typename DV, typename DOut>
+MultiHeadResult<F, (DQ::IsRowMajor ? Eigen::RowMajor : Eigen::ColMajor)> MultiHead<F>::compute_into(
+    const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K, const Eigen::MatrixBase<DV>& V,
+    const Eigen::MatrixBase<DOut>& out, const SeqOffsets& cu_seqlens_q,
+    const SeqOffsets& cu_seqlens_k, const std::vector<Index>& seqused_k) const {
+  static_assert(std::is_same_v<typename DQ::Scalar, Scalar> &&
+                    std::is_same_v<typename DK::Scalar, Scalar> &&
+                    std::is_same_v<typename DV::Scalar, Scalar> &&
+                    std::is_same_v<typename DOut::Scalar, Scalar>,
+                "effattn: MultiHead<F>::compute_into takes Q, K, V and out of F's scalar type");
+  static_assert(
+      (DOut::Flags & Eigen::DirectAccessBit) != 0 && (DOut::Flags & Eigen::LvalueBit) != 0,
+      "effattn: MultiHead<F>::compute_into writes into a Matrix, a Map or a block of "
+      "one (a writable expression with direct access)");
+  constexpr int order = DQ::IsRowMajor ? Eigen::RowMajor : Eigen::ColMajor;
+  constexpr bool kExactTiled = std::is_same_v<F, ExactAttention<Scalar, policy::Tiled>>;
+  Matrix<Scalar> tq, tk, tv;
+  detail::RowMatrix<Scalar> rq, rk, rv;
+  const detail::PackedView<Scalar> qv = detail::packed_view(Q, tq, rq);
+  const detail::PackedView<Scalar> kv = detail::packed_view(K, tk, rk);
+  const detail::PackedView<Scalar> vv = detail::packed_view(V, tv, rv);
+  const detail::MultiHeadBatch mb =
+      detail::check_multi_head(qv, kv, vv, m_layout, cu_seqlens_q, cu_seqlens_k, seqused_k,
+                               /*check_q=*/!kExactTiled);
+  // Eigen's idiom for an output argument that may be a temporary Block or Map.
+  DOut& o = const_cast<DOut&>(out.derived());
+  const Index T = qv.rows, width = m_layout.heads * mb.dv;
+  EFFATTN_CHECK(o.rows() == T && o.cols() == width,
+                detail::cat("MultiHead<", F::name, ">::compute_into: out must be ", T, " x ", width,
+                            " (T_q x heads dv); got ", o.rows(), " x ", o.cols()));
+  EFFATTN_CHECK(
+      o.innerStride() == 1,
+      detail::cat("MultiHead<", F::name, ">::compute_into: out must have inner stride 1; got ",
+                  o.innerStride()));
+  const detail::PackedView<Scalar, Scalar*> ov{o.data(), T, width, o.outerStride(),
+                                               static_cast<bool>(DOut::IsRowMajor)};
+  for (const auto* in : {&qv, &kv, &vv})
+    EFFATTN_CHECK(!detail::views_overlap(ov, *in),
+                  detail::cat("MultiHead<", F::name, ">::compute_into: out overlaps ",
+                              in == &qv   ? "Q"
+                              : in == &kv ? "K"
+                                          : "V"));
+  MultiHeadResult<F, order> r;
+  detail::multi_head_forward(m_functor, m_layout, qv, kv, vv, mb, ov, r);
   return r;
 }
 
