@@ -69,6 +69,43 @@ inline void advise_huge_pages(const void* data, std::size_t bytes) noexcept {
 #endif
 }
 
+/// Maps every page of a freshly allocated buffer of 8 to 64 MiB (the sizes `advise_huge_pages`
+/// backs with huge pages) that is about to be written whole, in one call before the parallel
+/// kernel writes it (Linux 5.14+ `madvise(MADV_POPULATE_WRITE)`; a no-op for other sizes,
+/// elsewhere, or on older kernels, where the first writes fault the pages in as before). A first
+/// write into an unmapped page is a fault whose handler zeroes the page; inside a parallel kernel
+/// the threads writing into the same fresh huge page wait for each other. MultiHead's 64 MiB
+/// prefill output (B = 8, L = 512, 32 heads of 128): `compute` took 12-18 ms more than
+/// `compute_into` a reused buffer, 3-4 ms more with the pages populated first (4 calls each, 2
+/// threads, AMD Zen 5, 2026-12-02). Over 64 MiB (4 KiB pages) the one serial call costs more than
+/// the threads' own faults: the 256 MiB output at L = 2048 ran 4-8% slower with it. Values are
+/// unaffected.
+inline void populate_pages(const void* data, std::size_t bytes) noexcept {
+#if defined(__linux__)
+#ifdef MADV_POPULATE_WRITE
+  constexpr int kPopulateWrite = MADV_POPULATE_WRITE;
+#else
+  constexpr int kPopulateWrite = 23;  // the Linux value, for C libraries that predate it
+#endif
+  constexpr std::size_t kHuge = std::size_t(1) << 21;
+  if (data == nullptr || bytes < 4 * kHuge || bytes > 32 * kHuge) return;
+  constexpr std::uintptr_t kPage = 4096;
+  const auto p = reinterpret_cast<std::uintptr_t>(data);
+  const std::uintptr_t lo = p & ~(kPage - 1), hi = p + bytes;
+  // The page holding the buffer's start may hold other data: populating maps, it never writes.
+  (void)madvise(reinterpret_cast<void*>(lo), hi - lo, kPopulateWrite);
+#else
+  (void)data;
+  (void)bytes;
+#endif
+}
+
+/// `populate_pages` for the storage of a dense Eigen object.
+template <typename Dense>
+void populate_pages(const Dense& x) noexcept {
+  populate_pages(x.data(), static_cast<std::size_t>(x.size()) * sizeof(typename Dense::Scalar));
+}
+
 /// `advise_huge_pages` for the storage of a dense Eigen object.
 template <typename Dense>
 void advise_huge_pages(const Dense& x) noexcept {
