@@ -886,6 +886,26 @@ bool views_overlap(const PackedView<Scalar, PtrA>& a, const PackedView<Scalar, P
   return lo(a) < hi(b) && lo(b) < hi(a);
 }
 
+/// The packed views of Q, K and V (each evaluated once into the buffers here when it is an
+/// expression or has an inner stride) and the checked batch, as the forward calls read them.
+template <typename Scalar>
+struct MhInputs {
+  Matrix<Scalar> tq, tk, tv;
+  RowMatrix<Scalar> rq, rk, rv;
+  PackedView<Scalar> q, k, v;
+  MultiHeadBatch mb;
+  template <typename DQ, typename DK, typename DV>
+  MhInputs(const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
+           const Eigen::MatrixBase<DV>& V, const HeadLayout& layout, const SeqOffsets& cu_q,
+           const SeqOffsets& cu_k, const std::vector<Index>& seqused_k, bool check_q)
+      : q(packed_view(Q, tq, rq)),
+        k(packed_view(K, tk, rk)),
+        v(packed_view(V, tv, rv)),
+        mb(check_multi_head(q, k, v, layout, cu_q, cu_k, seqused_k, check_q)) {}
+  MhInputs(const MhInputs&) = delete;  // the views may point into the buffers
+  MhInputs& operator=(const MhInputs&) = delete;
+};
+
 /// The forward pass of `MultiHead<F>::compute` and `compute_into` on packed views of checked
 /// inputs (`mb`): writes the output into `ov` (T_q x heads dv) and fills r's status and
 /// per-head Results (not `r.output`).
@@ -960,14 +980,10 @@ MultiHeadResult<F, (DQ::IsRowMajor ? Eigen::RowMajor : Eigen::ColMajor)> MultiHe
   constexpr int order = DQ::IsRowMajor ? Eigen::RowMajor : Eigen::ColMajor;
   // The exact kernel checks each query block as it loads it (Q is not scanned beforehand).
   constexpr bool kExactTiled = std::is_same_v<F, ExactAttention<Scalar, policy::Tiled>>;
-  Matrix<Scalar> tq, tk, tv;
-  detail::RowMatrix<Scalar> rq, rk, rv;
-  const detail::PackedView<Scalar> qv = detail::packed_view(Q, tq, rq);
-  const detail::PackedView<Scalar> kv = detail::packed_view(K, tk, rk);
-  const detail::PackedView<Scalar> vv = detail::packed_view(V, tv, rv);
-  const detail::MultiHeadBatch mb =
-      detail::check_multi_head(qv, kv, vv, m_layout, cu_seqlens_q, cu_seqlens_k, seqused_k,
-                               /*check_q=*/!kExactTiled);
+  const detail::MhInputs<Scalar> in(Q, K, V, m_layout, cu_seqlens_q, cu_seqlens_k, seqused_k,
+                                    /*check_q=*/!kExactTiled);
+  const detail::PackedView<Scalar>&qv = in.q, &kv = in.k, &vv = in.v;
+  const detail::MultiHeadBatch& mb = in.mb;
   MultiHeadResult<F, order> r;
   r.output.resize(qv.rows, m_layout.heads * mb.dv);
   // A prefill output is large (64 MiB at B = 8, L = 512, 32 heads of 128) and written once:
@@ -999,14 +1015,10 @@ MultiHeadResult<F, (DQ::IsRowMajor ? Eigen::RowMajor : Eigen::ColMajor)> MultiHe
       "one (a writable expression with direct access)");
   constexpr int order = DQ::IsRowMajor ? Eigen::RowMajor : Eigen::ColMajor;
   constexpr bool kExactTiled = std::is_same_v<F, ExactAttention<Scalar, policy::Tiled>>;
-  Matrix<Scalar> tq, tk, tv;
-  detail::RowMatrix<Scalar> rq, rk, rv;
-  const detail::PackedView<Scalar> qv = detail::packed_view(Q, tq, rq);
-  const detail::PackedView<Scalar> kv = detail::packed_view(K, tk, rk);
-  const detail::PackedView<Scalar> vv = detail::packed_view(V, tv, rv);
-  const detail::MultiHeadBatch mb =
-      detail::check_multi_head(qv, kv, vv, m_layout, cu_seqlens_q, cu_seqlens_k, seqused_k,
-                               /*check_q=*/!kExactTiled);
+  const detail::MhInputs<Scalar> in(Q, K, V, m_layout, cu_seqlens_q, cu_seqlens_k, seqused_k,
+                                    /*check_q=*/!kExactTiled);
+  const detail::PackedView<Scalar>&qv = in.q, &kv = in.k, &vv = in.v;
+  const detail::MultiHeadBatch& mb = in.mb;
   // Eigen's idiom for an output argument that may be a temporary Block or Map.
   DOut& o = const_cast<DOut&>(out.derived());
   const Index T = qv.rows, width = m_layout.heads * mb.dv;
@@ -1019,12 +1031,12 @@ MultiHeadResult<F, (DQ::IsRowMajor ? Eigen::RowMajor : Eigen::ColMajor)> MultiHe
                   o.innerStride()));
   const detail::PackedView<Scalar, Scalar*> ov{o.data(), T, width, o.outerStride(),
                                                static_cast<bool>(DOut::IsRowMajor)};
-  for (const auto* in : {&qv, &kv, &vv})
-    EFFATTN_CHECK(!detail::views_overlap(ov, *in),
+  for (const auto* view : {&qv, &kv, &vv})
+    EFFATTN_CHECK(!detail::views_overlap(ov, *view),
                   detail::cat("MultiHead<", F::name, ">::compute_into: out overlaps ",
-                              in == &qv   ? "Q"
-                              : in == &kv ? "K"
-                                          : "V"));
+                              view == &qv   ? "Q"
+                              : view == &kv ? "K"
+                                            : "V"));
   MultiHeadResult<F, order> r;
   detail::multi_head_forward(m_functor, m_layout, qv, kv, vv, mb, ov, r);
   return r;
