@@ -48,6 +48,13 @@ inline int region_threads() noexcept {
 #endif
 }
 
+/// The huge-page size (2 MiB) and whether a buffer of `bytes` is one that `advise_huge_pages`
+/// backs with huge pages and `populate_pages` maps up front: 8 to 64 MiB (see both).
+inline constexpr std::size_t kHugePage = std::size_t(1) << 21;
+inline constexpr bool huge_page_sized(std::size_t bytes) noexcept {
+  return bytes >= 4 * kHugePage && bytes <= 32 * kHugePage;
+}
+
 /// Asks the kernel to back the 2 MiB-aligned part of a large, freshly allocated and not yet
 /// touched buffer with transparent huge pages (Linux `madvise(MADV_HUGEPAGE)`; a no-op elsewhere,
 /// for buffers under 8 MiB or over 64 MiB, or when THP is disabled). A fresh buffer is zeroed by
@@ -58,8 +65,8 @@ inline int region_threads() noexcept {
 /// huge pages, so such buffers are left alone. Values are unaffected.
 inline void advise_huge_pages(const void* data, std::size_t bytes) noexcept {
 #if defined(__linux__) && defined(MADV_HUGEPAGE)
-  constexpr std::uintptr_t kHuge = std::uintptr_t(1) << 21;
-  if (data == nullptr || bytes < 4 * kHuge || bytes > 32 * kHuge) return;
+  constexpr std::uintptr_t kHuge = kHugePage;
+  if (data == nullptr || !huge_page_sized(bytes)) return;
   const auto p = reinterpret_cast<std::uintptr_t>(data);
   const std::uintptr_t lo = (p + kHuge - 1) & ~(kHuge - 1), hi = (p + bytes) & ~(kHuge - 1);
   if (hi > lo) (void)madvise(reinterpret_cast<void*>(lo), hi - lo, MADV_HUGEPAGE);
@@ -87,8 +94,7 @@ inline void populate_pages(const void* data, std::size_t bytes) noexcept {
 #else
   constexpr int kPopulateWrite = 23;  // the Linux value, for C libraries that predate it
 #endif
-  constexpr std::size_t kHuge = std::size_t(1) << 21;
-  if (data == nullptr || bytes < 4 * kHuge || bytes > 32 * kHuge) return;
+  if (data == nullptr || !huge_page_sized(bytes)) return;
   constexpr std::uintptr_t kPage = 4096;
   const auto p = reinterpret_cast<std::uintptr_t>(data);
   const std::uintptr_t lo = p & ~(kPage - 1), hi = p + bytes;
