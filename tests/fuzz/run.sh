@@ -5,15 +5,30 @@
 # targets at once as there are cores (EFFATTN_FUZZ_JOBS overrides). A crash, sanitizer report or
 # contract violation fails the run (libFuzzer saves the input as build/fuzz/<target>-crash-*).
 #   bash tests/fuzz/run.sh [SECONDS] [TARGET...]
+#   bash tests/fuzz/run.sh --build-only      configure and build only (.ci/lanes.mk: under
+#                                            make's jobserver when MAKEFLAGS has one)
+#   bash tests/fuzz/run.sh --no-build [SECONDS] [TARGET...]   run an existing build
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 source .ci/deps.sh
-effattn_ensure_packages "${EFFATTN_CLANG_PACKAGES[@]}" libeigen3-dev libfftw3-dev pkg-config cmake make
+step=all
+case "${1:-}" in
+  --build-only) step=build; shift ;;
+  --no-build) step=run; shift ;;
+esac
+build=build/fuzz
+if [ "$step" != run ]; then
+  effattn_ensure_packages "${EFFATTN_CLANG_PACKAGES[@]}" libeigen3-dev libfftw3-dev pkg-config cmake make
+  CXX=clang++ cmake -S tests/fuzz -B "$build" -DCMAKE_BUILD_TYPE=Release >/dev/null
+  if [[ "${MAKEFLAGS:-}" == *jobserver* ]]; then
+    cmake --build "$build" --target fuzz_attention  # make's jobs come from the parent's jobserver
+  else
+    cmake --build "$build" -j"$(nproc)" --target fuzz_attention
+  fi
+fi
+[ "$step" != build ] || exit 0
 secs=${1:-20}
 shift || true
-build=build/fuzz
-CXX=clang++ cmake -S tests/fuzz -B "$build" -DCMAKE_BUILD_TYPE=Release >/dev/null
-cmake --build "$build" -j"$(nproc)" --target fuzz_attention
 targets=("$@")
 if [ ${#targets[@]} -eq 0 ]; then
   targets=($(EFFATTN_FUZZ_LIST=1 ASAN_OPTIONS=detect_leaks=0 "$build/fuzz_attention"))
