@@ -44,10 +44,12 @@ tsan-test: tsan-build
 fuzz-build:
 	+$(JOB) --make fuzz-build bash tests/fuzz/run.sh --build-only
 # The targets are listed by the executable itself (effattn::MethodList): a sub-make with one job
-# per target, from the same jobserver.
+# per target, from the same jobserver. An empty or failed listing fails the job (it must not pass
+# with no target run).
 fuzz-run: fuzz-build
-	+$(MAKE) -f .ci/lanes.mk --no-print-directory fuzz-targets \
-	  FUZZ_TARGETS="$$(EFFATTN_FUZZ_LIST=1 ASAN_OPTIONS=detect_leaks=0 $(FUZZ_EXE))"
+	+targets="$$(EFFATTN_FUZZ_LIST=1 ASAN_OPTIONS=detect_leaks=0 $(FUZZ_EXE))" && \
+	  [ -n "$$targets" ] || { echo "effattn: $(FUZZ_EXE) listed no fuzz targets" >&2; exit 1; }; \
+	  $(MAKE) -f .ci/lanes.mk --no-print-directory fuzz-targets FUZZ_TARGETS="$$targets"
 fuzz-targets: $(addprefix fuzz-run-,$(FUZZ_TARGETS))
 fuzz-run-%:
 	$(JOB) fuzz-$* bash tests/fuzz/run.sh --no-build $(FUZZ_SECONDS) $*

@@ -27,6 +27,10 @@ if [ "$step" != run ]; then
   fi
 fi
 [ "$step" != build ] || exit 0
+if [ ! -x "$build/fuzz_attention" ]; then
+  echo "effattn: no $build/fuzz_attention (run tests/fuzz/run.sh without --no-build first)" >&2
+  exit 1
+fi
 secs=${1:-20}
 shift || true
 targets=("$@")
