@@ -197,7 +197,9 @@ TEST_CASE("bf16 fused decoding kernel: 1-16 rows, tails, rescales, bias, bf16 in
     // 17: an odd column (a pair with a zero partner); 18: a one-column pass after four (FMA
     // form) and a one-pair pass (vdpbf16ps form).
     for (const Index d : {16, 17, 18, 128})
-      for (const Index m : {5, 531, 4099}) {  // one chunk, a block tail, splits with tails
+      // 5: one chunk; 531: a block tail; 900: a whole first half and a short second half of a
+      // block (the AMX form rounds K and V half a block at a time); 4099: splits with tails.
+      for (const Index m : {5, 531, 900, 4099}) {
         const auto w = workloads::make<float>(workloads::Kind::Gaussian,
                                               workloads::Params::shape(n, m, d, d + 2));
         // A bias rising by 100 along the cache: each 512-key block exceeds the running maximum by

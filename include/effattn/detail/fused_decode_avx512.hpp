@@ -78,12 +78,17 @@ constexpr Index kFusedDecodeBlock = 512;
 /// Column segments prefetched ahead.
 constexpr Index kFusedDecodePrefetch = 4;
 
+/// The AMX form's sub-block: keys per pass of the K and V roundings (half a block), so that the
+/// tile buffers of a pass (16 KiB of K pairs, 16 KiB of V^T) stay in L1 with the scores.
+constexpr Index kAmxHalf = kFusedDecodeBlock / 2;
 /// Row strides (in 64-byte rows) of the AMX form's K and V^T tile buffers: one more than the
-/// chunks of a block, so that the 16 rows of a tile fall into different L1 sets.
-constexpr Index kAmxKStride = kFusedDecodeBlock / 16 + 1;
-constexpr Index kAmxVStride = kFusedDecodeBlock / 32 + 1;
+/// chunks of a half block, so that the 16 rows of a tile fall into different L1 sets.
+constexpr Index kAmxKStride = kAmxHalf / 16 + 1;
+constexpr Index kAmxVStride = kAmxHalf / 32 + 1;
 /// Value-column groups of 16 whose tile products run together in the AMX form.
-constexpr Index kAmxValueGroups = 4;
+constexpr Index kAmxValueGroups = 2;
+/// Column segments (of a half block) the AMX form prefetches ahead in its read order.
+constexpr Index kAmxPrefetch = 8;
 
 /// 16 values of a column (lanes outside `k` zero) as bf16 values in fp32: float inputs rounded,
 /// bf16 inputs widened.
@@ -127,17 +132,37 @@ struct FusedDecodeProblem {
   Index off = 0;  ///< causal: row i sees keys j <= i + off
 };
 
+/// Zero-initialised 32-bit words whose first word is 64-byte aligned, so that no zmm store or
+/// tile row straddles two cache lines (std::vector gives 16 bytes: measured, the AMX form's K
+/// buffer started 48 bytes into a line and its P^T tiles 16). Not copyable (the pointer points
+/// into the owned storage).
+class AlignedWords {
+ public:
+  explicit AlignedWords(std::size_t n) : m_v(n > 0 ? n + 15 : 0, 0u) {
+    if (n > 0) {
+      const auto a = reinterpret_cast<std::uintptr_t>(m_v.data());
+      m_p = m_v.data() + (64 - a % 64) % 64 / sizeof(std::uint32_t);
+    }
+  }
+  AlignedWords(const AlignedWords&) = delete;
+  AlignedWords& operator=(const AlignedWords&) = delete;
+  std::uint32_t* data() noexcept { return m_p; }
+
+ private:
+  std::vector<std::uint32_t> m_v;
+  std::uint32_t* m_p = nullptr;
+};
+
 /// The state of one key range: the scores of a block (column i = row i), the unnormalised output
 /// (row i = query row i, so that an output column of all rows is one vector), the running
 /// maxima and row sums, and (16-row form) the probabilities in bf16 pairs.
 struct FusedDecodeState {
   static constexpr Index R = kFusedDecodeWideRows;
   Matrix<float> s, acc;
-  std::vector<std::uint32_t>
-      pp;  ///< R x (block / 2) pairs: row i's 32-key chunk t at (i c32 + t) 16
+  AlignedWords pp;  ///< R x (block / 2) pairs: row i's 32-key chunk t at (i c32 + t) 16
   /// AMX form (`fused_decode_keys_amx`): the block's K as `tdpbf16ps` B tiles (kb), the V^T A
   /// tiles of `kAmxValueGroups` groups of 16 value columns (vb) and the P^T B tiles (pt).
-  std::vector<std::uint32_t> kb, vb, pt;
+  AlignedWords kb, vb, pt;
   float m[R];
   double l[R];
   /// acc has dv columns, rounded up to a multiple of 16 for the AMX form (`amx_d` = d > 0).
@@ -145,10 +170,9 @@ struct FusedDecodeState {
       : s(kFusedDecodeBlock, R),
         acc(R, amx_d > 0 ? round_up(dv, 16) : dv),
         pp(wide ? static_cast<std::size_t>(R * kFusedDecodeBlock / 2) : 0),
-        kb(amx_d > 0 ? static_cast<std::size_t>(round_up(amx_d, 32) / 2 * kAmxKStride * 16) : 0,
-           0u),
-        vb(amx_d > 0 ? static_cast<std::size_t>(16 * kAmxValueGroups * kAmxVStride * 16) : 0, 0u),
-        pt(amx_d > 0 ? static_cast<std::size_t>(R * kFusedDecodeBlock / 2) : 0, 0u) {}
+        kb(amx_d > 0 ? static_cast<std::size_t>(2 * 16 * kAmxKStride * 16) : 0),
+        vb(amx_d > 0 ? static_cast<std::size_t>(2 * 16 * kAmxValueGroups * kAmxVStride * 16) : 0),
+        pt(amx_d > 0 ? static_cast<std::size_t>(R * kFusedDecodeBlock / 2) : 0) {}
   void reset() {
     acc.setZero();
     std::fill(m, m + R, -std::numeric_limits<float>::infinity());
@@ -241,11 +265,14 @@ EFFATTN_TARGET_AVX512 inline void decode_key_columns(const FusedDecodeProblem<In
 /// (rescaling st.acc and st.l when a block exceeds it by more than `kDecodeLazyMax`), adds the
 /// block's sum of exp(s - m) to st.l and leaves P = exp(s - m) in st.s, rounded to bf16 when
 /// `RoundP`, 0 for hidden keys and the lanes past the block.
-template <int NR, bool RoundP, typename In>
+struct DecodeNoHook {
+  void operator()(Index) const noexcept {}
+};
+template <int NR, bool RoundP, typename In, typename Hook = DecodeNoHook>
 EFFATTN_TARGET_AVX512 inline void decode_block_softmax(const FusedDecodeProblem<In>& P, Index j0,
                                                        Index cnt, Index chunks,
                                                        FusedDecodeState& st, __mmask16& bad,
-                                                       Index rows = NR) {
+                                                       Index rows = NR, Hook hook = Hook()) {
   constexpr Index B = kFusedDecodeBlock;
   constexpr float ninf = -std::numeric_limits<float>::infinity();
   float* s = st.s.data();
@@ -266,6 +293,7 @@ EFFATTN_TARGET_AVX512 inline void decode_block_softmax(const FusedDecodeProblem<
     const float bm = decode_hmax16(mx);
     if (bm == ninf) {  // no visible key in this block
       for (Index ch = 0; ch < chunks; ++ch) _mm512_storeu_ps(si + ch * 16, _mm512_setzero_ps());
+      hook(i);
       continue;
     }
     if (!(bm <= st.m[i] + kDecodeLazyMax)) {  // first block, or a maximum far above m
@@ -282,6 +310,7 @@ EFFATTN_TARGET_AVX512 inline void decode_block_softmax(const FusedDecodeProblem<
       _mm512_storeu_ps(si + ch * 16, RoundP ? bf16_round16(e) : e);
     }
     st.l[i] += static_cast<double>(decode_hsum16(sum));
+    hook(i);
   }
 }
 
@@ -554,29 +583,64 @@ EFFATTN_TARGET_AVX512 inline void transpose16_epi32(__m512i r[16]) noexcept {
   }
 }
 
+/// Column segment t of the AMX form's read order around the block at j0 (`cnt` keys, `next` in
+/// the following block): K's columns over the block's first half, over its second half, V's
+/// columns over the first half, over the second, then the next block's K columns over its first
+/// half; null past those or where a half is empty. `valid` receives the segment's length.
+template <typename In>
+inline const In* amx_segment(const FusedDecodeProblem<In>& P, Index t, Index j0, Index cnt,
+                             Index next, Index& valid) noexcept {
+  constexpr Index H = kAmxHalf;
+  const Index d = P.d, dv = P.dv;
+  const In* p = nullptr;
+  valid = 0;
+  if (t < 2 * d) {
+    const Index h = t / d;
+    valid = h == 0 ? std::min(H, cnt) : cnt - H;
+    p = P.K + (t - h * d) * P.ldk + j0 + h * H;
+  } else if ((t -= 2 * d) < 2 * dv) {
+    const Index h = t / dv;
+    valid = h == 0 ? std::min(H, cnt) : cnt - H;
+    p = P.V + (t - h * dv) * P.ldv + j0 + h * H;
+  } else if ((t -= 2 * dv) < d) {
+    valid = std::min(H, next);
+    p = P.K + t * P.ldk + j0 + kFusedDecodeBlock;
+  }
+  return valid > 0 ? p : nullptr;
+}
+
 /// The AMX form of `fused_decode_keys` (bf16 arithmetic, `rows` = 1 to 16 queries; the caller
-/// holds an `AmxTileScope`): per 512-key block,
-/// - K, column pair by column pair (two contiguous segments), rounded into `tdpbf16ps` B tiles
-///   (st.kb: pair p's chunk ch at (p kAmxKStride + ch) 16, so a tile is 16 rows of stride
-///   kAmxKStride 64 bytes), and the scores S = sum over the d-tiles of the query tile (qt: 16 rows
-///   x 32 bf16 per d-tile, row stride dq 64 bytes) times the K tiles, 4 key chunks at a time
-///   (four independent accumulator tiles), stored into st.s;
+/// holds an `AmxTileScope`): per 512-key block, in two halves of `kAmxHalf` keys for the
+/// roundings,
+/// - per half and d-tile (32 columns of K), the column pairs (two contiguous segments) rounded
+///   into the 16 rows of `tdpbf16ps` B tiles (st.kb: pair p's 16-key chunk ch at
+///   (p kAmxKStride + ch) 16, a tile is 16 rows of stride kAmxKStride 64 bytes; 17 KiB, reused by
+///   every d-tile, so that it stays in L1), and the partial scores of the half's chunks
+///   (st.s, row i at s + i B) += the query tile of the d-tile (qt: 16 rows x 32 bf16 per d-tile,
+///   row stride dq 64 bytes) times the K tiles, 4 chunks at a time (the first d-tile starts
+///   from zero tiles, the others load the partial sums: the same sums in the same order as one
+///   accumulator tile per chunk over all d-tiles);
 /// - the block softmax of the `rows` rows, P rounded to bf16 pairs of neighbouring keys and
 ///   transposed into P^T B tiles (st.pt: chunk t at t 256, row k = the pairs of keys 2 k, 2 k + 1
 ///   of the 16 rows; rows past `rows` stay zero);
-/// - 64 value columns at a time, V's segments rounded into V^T A tiles (st.vb: column r's
-///   32-key chunk t at (r kAmxVStride + t) 16) and acc^T (the column-major st.acc, 16 columns x
-///   16 rows per tile) += V^T P^T, four accumulator tiles.
-/// The products are exact and accumulated in fp32 as in the other forms, in another order (the
-/// results differ from them by fp32 round-off). 2 x 16 (k1 - k0) (d + dv) flops of tile
-/// products; reads each key and value once.
+/// - per half and `kAmxValueGroups` groups of 16 value columns, V's segments rounded into V^T A
+///   tiles (st.vb: column r's 32-key chunk t at (r kAmxVStride + t) 16; 18 KiB) and acc^T (the
+///   column-major st.acc, 16 columns x 16 rows per tile) += V^T P^T.
+/// Measured (16 queries, d = 128, m = 32768, 2 threads): with whole-block buffers (128 KiB of K
+/// pairs, 64 KiB of V^T per 4 groups) the stores that rounded K and V missed L1 and took two
+/// thirds of the time (50-57% of the streaming read). The products are exact and accumulated in
+/// fp32 as in the other forms, in another order (the results differ from them by fp32
+/// round-off). 2 x 16 (k1 - k0) (d + dv) flops of tile products; reads each key and value once.
 template <typename In>
 EFFATTN_TARGET_AMX bool fused_decode_keys_amx(const FusedDecodeProblem<In>& P,
                                               const std::uint32_t* qt, Index rows, Index k0,
                                               Index k1, FusedDecodeState& st) {
-  constexpr Index B = kFusedDecodeBlock, PF = kFusedDecodePrefetch, R = FusedDecodeState::R;
+  constexpr Index B = kFusedDecodeBlock, H = kAmxHalf, PF = kAmxPrefetch, R = FusedDecodeState::R;
   constexpr Index KS = kAmxKStride, VS = kAmxVStride, NG = kAmxValueGroups;
+  constexpr Index KBUF = 16 * KS * 16, VBUF = 16 * NG * VS * 16;  // words per buffer
+  static_assert(NG == 2, "the value pass runs two accumulator tiles");
   const Index d = P.d, dv = P.dv, dq = (d + 31) / 32, dp = (d + 1) / 2, groups = (dv + 15) / 16;
+  const Index ngp = (groups + NG - 1) / NG;  // value-column group pairs
   float* s = st.s.data();
   float* acc = st.acc.data();
   std::uint32_t* kb = st.kb.data();
@@ -585,65 +649,158 @@ EFFATTN_TARGET_AMX bool fused_decode_keys_amx(const FusedDecodeProblem<In>& P,
   __mmask16 bad = 0;
   for (Index j0 = k0; j0 < k1; j0 += B) {
     const DecodeBlock blk(j0, k1, B);
-    const Index cnt = blk.cnt, chunks = blk.chunks, c32 = blk.c32, next = blk.next;
-    const __mmask16 tail = blk.tail;
-    // K into B tiles, pair of columns by pair of columns (the pairs past d stay zero).
-    for (Index p = 0; p < dp; ++p) {
+    const Index cnt = blk.cnt, c32 = blk.c32, next = blk.next, halves = (cnt + H - 1) / H;
+    // --- Scores. Item k = (half k / dq, d-tile k % dq); step k rounds item k into buffer k % 2
+    // and, interleaved with it (one 4-chunk group after every 4 pairs), runs the tile products
+    // of item k - 1 from the other buffer, so that the tile unit works while the loads of the
+    // roundings wait for memory.
+    const Index kitems = halves * dq;
+    auto k_pair = [&](Index item, Index pl) EFFATTN_TARGET_AMX {
+      const Index h = item / dq, t = item % dq, hk = h * H, hc = std::min(H, cnt - hk);
+      const Index hchunks = (hc + 15) / 16, p = 16 * t + pl;
+      std::uint32_t* dst = kb + (item % 2) * KBUF + pl * KS * 16;
+      if (p >= dp) {  // pairs past d: zero rows
+        for (Index ch = 0; ch < hchunks; ++ch)
+          _mm512_storeu_si512(dst + ch * 16, _mm512_setzero_si512());
+        return;
+      }
       const Index c = 2 * p;
-      const In* x = P.K + c * P.ldk + j0;
+      const In* x = P.K + c * P.ldk + j0 + hk;
       const In* y = c + 1 < d ? x + P.ldk : nullptr;
-      Index pv = 0;
-      // Prefetches may run past a short segment: they never fault, and the lines are the
-      // next keys of the same column or of the next one.
-      const In* pf0 = decode_segment(P, c + 2 * PF, j0, cnt, next, pv);
-      const In* pf1 = decode_segment(P, c + 1 + 2 * PF, j0, cnt, next, pv);
-      if (pf1 == nullptr) pf1 = pf0;
-      std::uint32_t* dst = kb + p * KS * 16;
-      for (Index ch = 0; ch < chunks; ++ch) {
-        const __mmask16 k = ch + 1 < chunks ? kDecodeAll : tail;
-        if (pf0 != nullptr) {
-          _mm_prefetch(reinterpret_cast<const char*>(pf0 + ch * 16), _MM_HINT_T1);
-          _mm_prefetch(reinterpret_cast<const char*>(pf1 + ch * 16), _MM_HINT_T1);
+      Index v0 = 0, v1 = 0;
+      // Prefetches may run past a short segment: they never fault.
+      const In* pf0 = amx_segment(P, h * d + c + PF, j0, cnt, next, v0);
+      const In* pf1 = amx_segment(P, h * d + c + 1 + PF, j0, cnt, next, v1);
+      if (hc == H && y != nullptr) {
+        // A whole half: no masks, and prefetches without bounds (past a short or missing
+        // segment they fetch lines that are not needed, and never fault).
+        const In* q0 = pf0 != nullptr ? pf0 : x;
+        const In* q1 = pf1 != nullptr ? pf1 : y;
+        EFFATTN_UNROLL16
+        for (Index ch = 0; ch < H / 16; ++ch) {
+          _mm_prefetch(reinterpret_cast<const char*>(q0 + ch * 16), _MM_HINT_T1);
+          _mm_prefetch(reinterpret_cast<const char*>(q1 + ch * 16), _MM_HINT_T1);
+          _mm512_storeu_si512(dst + ch * 16,
+                              decode_column_pairs_cvt(x + ch * 16, y + ch * 16, kDecodeAll));
         }
+        return;
+      }
+      const __mmask16 tail = lanes_below(hc - 16 * (hchunks - 1));
+      for (Index ch = 0; ch < hchunks; ++ch) {
+        const __mmask16 k = ch + 1 < hchunks ? kDecodeAll : tail;
+        prefetch_chunk(pf0, ch, v0);
+        prefetch_chunk(pf1, ch, v1);
         _mm512_storeu_si512(
             dst + ch * 16,
             decode_column_pairs_cvt(x + ch * 16, y != nullptr ? y + ch * 16 : nullptr, k));
       }
-    }
-    EFFATTN_TILE_MEMORY_BARRIER();
-    // Scores, 4 chunks of 16 keys at a time: tiles 0-3 accumulate, 4 holds the query tile, 5-7
-    // the key tiles.
-    for (Index ch = 0; ch < chunks; ch += 4) {
-      const Index nc = std::min<Index>(4, chunks - ch);
-      _tile_zero(0);
-      _tile_zero(1);
-      _tile_zero(2);
-      _tile_zero(3);
-      for (Index t = 0; t < dq; ++t) {
-        const std::uint32_t* kt = kb + (t * 16 * KS + ch) * 16;
-        _tile_loadd(4, qt + t * 16, dq * 64);
-        _tile_loadd(5, kt, KS * 64);
-        _tile_dpbf16ps(0, 4, 5);
-        if (nc > 1) {
-          _tile_loadd(6, kt + 16, KS * 64);
-          _tile_dpbf16ps(1, 4, 6);
-        }
-        if (nc > 2) {
-          _tile_loadd(7, kt + 32, KS * 64);
-          _tile_dpbf16ps(2, 4, 7);
-        }
-        if (nc > 3) {
-          _tile_loadd(5, kt + 48, KS * 64);
-          _tile_dpbf16ps(3, 4, 5);
-        }
+    };
+    // Partial scores of item's chunks 4 g .. 4 g + 3: tiles 0-3 accumulate (the first d-tile
+    // starts from zero, the others load the partial sums: the same sums in the same order as one
+    // accumulator per chunk over all d-tiles), 4 holds the query tile, 5-7 the key tiles.
+    auto k_tiles = [&](Index item, Index g) EFFATTN_TARGET_AMX {
+      const Index h = item / dq, t = item % dq, hk = h * H, hc = std::min(H, cnt - hk);
+      const Index hchunks = (hc + 15) / 16, ch = 4 * g;
+      if (ch >= hchunks) return;
+      const Index nc = std::min<Index>(4, hchunks - ch);
+      float* sc = s + hk + ch * 16;
+      if (t == 0) {
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+      } else {
+        _tile_loadd(0, sc, B * 4);
+        if (nc > 1) _tile_loadd(1, sc + 16, B * 4);
+        if (nc > 2) _tile_loadd(2, sc + 32, B * 4);
+        if (nc > 3) _tile_loadd(3, sc + 48, B * 4);
       }
-      _tile_stored(0, s + ch * 16, B * 4);
-      if (nc > 1) _tile_stored(1, s + ch * 16 + 16, B * 4);
-      if (nc > 2) _tile_stored(2, s + ch * 16 + 32, B * 4);
-      if (nc > 3) _tile_stored(3, s + ch * 16 + 48, B * 4);
+      const std::uint32_t* kt = kb + (item % 2) * KBUF + ch * 16;
+      _tile_loadd(5, kt, KS * 64);
+      _tile_dpbf16ps(0, 4, 5);
+      if (nc > 1) {
+        _tile_loadd(6, kt + 16, KS * 64);
+        _tile_dpbf16ps(1, 4, 6);
+      }
+      if (nc > 2) {
+        _tile_loadd(7, kt + 32, KS * 64);
+        _tile_dpbf16ps(2, 4, 7);
+      }
+      if (nc > 3) {
+        _tile_loadd(5, kt + 48, KS * 64);
+        _tile_dpbf16ps(3, 4, 5);
+      }
+      _tile_stored(0, sc, B * 4);
+      if (nc > 1) _tile_stored(1, sc + 16, B * 4);
+      if (nc > 2) _tile_stored(2, sc + 32, B * 4);
+      if (nc > 3) _tile_stored(3, sc + 48, B * 4);
+    };
+    for (Index k = 0; k <= kitems; ++k) {
+      if (k > 0) _tile_loadd(4, qt + ((k - 1) % dq) * 16, dq * 64);
+      for (Index pl = 0; pl < 16; ++pl) {
+        if (k < kitems) k_pair(k, pl);
+        if (k > 0 && pl % 4 == 3) k_tiles(k - 1, pl / 4);
+      }
+      EFFATTN_TILE_MEMORY_BARRIER();
     }
-    EFFATTN_TILE_MEMORY_BARRIER();
-    decode_block_softmax<R, false>(P, j0, cnt, chunks, st, bad, rows);
+    // --- Values. Item k = (half k / ngp, group pair k % ngp): step k rounds item k's value
+    // columns into V^T buffer k % 2 (item 0 during the softmax) and, interleaved with it, runs
+    // the acc^T += V^T P^T steps of item k - 1 (the rows of a partial last group are stale values
+    // that only reach acc's padding columns).
+    const Index vitems = halves * ngp;
+    auto v_cols = [&](Index item) {
+      const Index g0 = NG * (item % ngp);
+      return std::min(dv, 16 * (g0 + NG)) - 16 * g0;
+    };
+    auto v_col = [&](Index item, Index cl) EFFATTN_TARGET_AMX {
+      const Index h = item / ngp, g0 = NG * (item % ngp), hk = h * H, hc = std::min(H, cnt - hk);
+      const Index h32 = (hc + 31) / 32, c = 16 * g0 + cl;
+      const In* vc = P.V + c * P.ldv + j0 + hk;
+      Index pfv = 0;
+      const In* pf = amx_segment(P, 2 * d + h * dv + c + PF, j0, cnt, next, pfv);
+      std::uint32_t* dst = vb + (item % 2) * VBUF + cl * VS * 16;
+      const Index full = hc / 32;  // chunks of 32 keys without a tail
+      if (full == H / 32) {
+        const In* q = pf != nullptr ? pf : vc;  // unbounded prefetches, as for K
+        EFFATTN_UNROLL16
+        for (Index t = 0; t < H / 32; ++t) {
+          _mm_prefetch(reinterpret_cast<const char*>(q + 32 * t), _MM_HINT_T1);
+          _mm_prefetch(reinterpret_cast<const char*>(q + 32 * t + 16), _MM_HINT_T1);
+          _mm512_storeu_si512(dst + t * 16, (__m512i)decode_key_pairs(vc + 32 * t, Index(32)));
+        }
+        return;
+      }
+      for (Index t = 0; t < full; ++t) {
+        prefetch_chunk(pf, 2 * t, pfv);
+        prefetch_chunk(pf, 2 * t + 1, pfv);
+        _mm512_storeu_si512(dst + t * 16, (__m512i)decode_key_pairs(vc + 32 * t, Index(32)));
+      }
+      if (full < h32)
+        _mm512_storeu_si512(dst + full * 16,
+                            (__m512i)decode_key_pairs(vc + 32 * full, hc - 32 * full));
+    };
+    // One 32-key step t of item's tile products (tiles 0, 1: acc^T of the two groups, 4: P^T,
+    // 5, 6: V^T).
+    auto v_tiles = [&](Index item, Index t) EFFATTN_TARGET_AMX {
+      const Index hk = (item / ngp) * H, two = v_cols(item) > 16;
+      const std::uint32_t* vt = vb + (item % 2) * VBUF + t * 16;
+      _tile_loadd(4, pt + (hk / 32 + t) * 256, 64);
+      _tile_loadd(5, vt, VS * 64);
+      _tile_dpbf16ps(0, 5, 4);
+      if (two) {
+        _tile_loadd(6, vt + 16 * VS * 16, VS * 64);
+        _tile_dpbf16ps(1, 6, 4);
+      }
+    };
+    // Value item 0 is rounded while the softmax and the transposes run (vector arithmetic on
+    // data in L1, while the roundings wait for memory): spread over the rows and the chunks.
+    const Index cols0 = v_cols(0), slots = rows + c32;
+    Index vdone = 0, slot = 0;
+    auto v_ahead = [&](Index) EFFATTN_TARGET_AMX {
+      ++slot;
+      for (; vdone < cols0 && vdone * slots < slot * cols0; ++vdone) v_col(0, vdone);
+    };
+    decode_block_softmax<R, false>(P, j0, cnt, blk.chunks, st, bad, rows, v_ahead);
     // P^T: row i's 32-key chunk t as 16 pairs (zero past `rows`), transposed into the tile
     // (k, i).
     for (Index t = 0; t < c32; ++t) {
@@ -656,59 +813,36 @@ EFFATTN_TARGET_AMX bool fused_decode_keys_amx(const FusedDecodeProblem<In>& P,
                                                        _mm512_maskz_loadu_ps(lo, si))
                         : _mm512_setzero_si512();
       }
+      v_ahead(t);
       transpose16_epi32(r);
       EFFATTN_UNROLL16
       for (Index k = 0; k < 16; ++k) _mm512_storeu_si512(pt + t * 256 + k * 16, r[k]);
     }
-    // acc^T += V^T P^T, NG groups of 16 value columns at a time (the rows of a partial last
-    // group are stale values that only reach acc's padding columns).
-    for (Index g0 = 0; g0 < groups; g0 += NG) {
-      const Index ng = std::min(NG, groups - g0);
-      for (Index c = 16 * g0; c < std::min(dv, 16 * (g0 + ng)); ++c) {
-        const In* vc = P.V + c * P.ldv + j0;
-        Index pfv = 0;
-        const In* pf = decode_segment(P, d + c + PF, j0, cnt, next, pfv);
-        std::uint32_t* dst = vb + (c - 16 * g0) * VS * 16;
-        const Index full = cnt / 32;  // chunks of 32 keys without a tail
-        for (Index t = 0; t < full; ++t) {
-          if (pf != nullptr) {
-            _mm_prefetch(reinterpret_cast<const char*>(pf + 32 * t), _MM_HINT_T1);
-            _mm_prefetch(reinterpret_cast<const char*>(pf + 32 * t + 16), _MM_HINT_T1);
-          }
-          _mm512_storeu_si512(dst + t * 16, (__m512i)decode_key_pairs(vc + 32 * t, Index(32)));
-        }
-        if (full < c32)
-          _mm512_storeu_si512(dst + full * 16,
-                              (__m512i)decode_key_pairs(vc + 32 * full, cnt - 32 * full));
+    for (; vdone < cols0; ++vdone) v_col(0, vdone);
+    EFFATTN_TILE_MEMORY_BARRIER();
+    for (Index k = 1; k <= vitems; ++k) {
+      const Index cols = k < vitems ? v_cols(k) : 0;
+      Index steps = 0, h32 = 0, two = 0;
+      float* a = nullptr;
+      if (k > 0) {
+        const Index it = k - 1, hk = (it / ngp) * H;
+        h32 = (std::min(H, cnt - hk) + 31) / 32;
+        two = v_cols(it) > 16;
+        a = acc + NG * (it % ngp) * 256;
+        _tile_loadd(0, a, 64);
+        if (two) _tile_loadd(1, a + 256, 64);
       }
-      EFFATTN_TILE_MEMORY_BARRIER();
-      float* a = acc + g0 * 256;
-      _tile_loadd(0, a, 64);
-      if (ng > 1) _tile_loadd(1, a + 256, 64);
-      if (ng > 2) _tile_loadd(2, a + 512, 64);
-      if (ng > 3) _tile_loadd(3, a + 768, 64);
-      for (Index t = 0; t < c32; ++t) {
-        const std::uint32_t* vt = vb + t * 16;
-        _tile_loadd(4, pt + t * 256, 64);
-        _tile_loadd(5, vt, VS * 64);
-        _tile_dpbf16ps(0, 5, 4);
-        if (ng > 1) {
-          _tile_loadd(6, vt + 16 * VS * 16, VS * 64);
-          _tile_dpbf16ps(1, 6, 4);
-        }
-        if (ng > 2) {
-          _tile_loadd(7, vt + 32 * VS * 16, VS * 64);
-          _tile_dpbf16ps(2, 7, 4);
-        }
-        if (ng > 3) {
-          _tile_loadd(5, vt + 48 * VS * 16, VS * 64);
-          _tile_dpbf16ps(3, 5, 4);
-        }
+      for (Index cl = 0; cl < cols; ++cl) {
+        v_col(k, cl);
+        // Spread item k - 1's steps evenly over the columns of item k.
+        for (; k > 0 && steps < h32 && steps * cols < (cl + 1) * h32; ++steps)
+          v_tiles(k - 1, steps);
       }
-      _tile_stored(0, a, 64);
-      if (ng > 1) _tile_stored(1, a + 256, 64);
-      if (ng > 2) _tile_stored(2, a + 512, 64);
-      if (ng > 3) _tile_stored(3, a + 768, 64);
+      if (k > 0) {
+        for (; steps < h32; ++steps) v_tiles(k - 1, steps);
+        _tile_stored(0, a, 64);
+        if (two) _tile_stored(1, a + 256, 64);
+      }
       EFFATTN_TILE_MEMORY_BARRIER();
     }
   }
