@@ -630,25 +630,28 @@ inline const In* amx_segment(const FusedDecodeProblem<In>& P, Index t, Index j0,
 /// The AMX form of `fused_decode_keys` (bf16 arithmetic, `rows` = 1 to 16 queries; the caller
 /// holds an `AmxTileScope`): per 512-key block, in two halves of `kAmxHalf` keys for the
 /// roundings,
-/// - per half and d-tile (32 columns of K), the column pairs (two contiguous segments) rounded
-///   into the 16 rows of `tdpbf16ps` B tiles (st.kb: pair p's 16-key chunk ch at
-///   (p kAmxKStride + ch) 16, a tile is 16 rows of stride kAmxKStride 64 bytes; 17 KiB, reused by
-///   every d-tile, so that it stays in L1), and the partial scores of the half's chunks
-///   (st.s, row i at s + i B) += the query tile of the d-tile (qt: 16 rows x 32 bf16 per d-tile,
-///   row stride dq 64 bytes) times the K tiles, 4 chunks at a time (the first d-tile starts
-///   from zero tiles, the others load the partial sums: the same sums in the same order as one
-///   accumulator tile per chunk over all d-tiles);
+/// - per half and d-tile (32 columns of K: one "item"), the column pairs (two contiguous
+///   segments) rounded into the 16 rows of `tdpbf16ps` B tiles (st.kb, two buffers of 17 KiB:
+///   pair p's 16-key chunk ch at (p kAmxKStride + ch) 16, a tile is 16 rows of stride
+///   kAmxKStride 64 bytes), and the partial scores of the half's chunks (st.s, row i at
+///   s + i kFusedDecodeScoreStride) += the query tile of the d-tile (qt: 16 rows x 32 bf16 per
+///   d-tile, row stride dq 64 bytes) times the K tiles, 4 chunks at a time (the first d-tile
+///   starts from zero tiles, the others load the partial sums: the same sums in the same order
+///   as one accumulator tile per chunk over all d-tiles). The tile products of item k - 1 run
+///   interleaved with the rounding of item k into the other buffer;
 /// - the block softmax of the `rows` rows, P rounded to bf16 pairs of neighbouring keys and
 ///   transposed into P^T B tiles (st.pt: chunk t at t 256, row k = the pairs of keys 2 k, 2 k + 1
-///   of the 16 rows; rows past `rows` stay zero);
-/// - per half and `kAmxValueGroups` groups of 16 value columns, V's segments rounded into V^T A
-///   tiles (st.vb: column r's 32-key chunk t at (r kAmxVStride + t) 16; 18 KiB) and acc^T (the
+///   of the 16 rows; rows past `rows` stay zero), with the first value item rounded in between;
+/// - per half and `kAmxValueGroups` groups of 16 value columns (an item), V's segments rounded
+///   into V^T A tiles (st.vb, two buffers of 18 KiB: column r's 32-key chunk t at
+///   (r kAmxVStride + t) 16) and, interleaved with the rounding of the next item, acc^T (the
 ///   column-major st.acc, 16 columns x 16 rows per tile) += V^T P^T.
-/// Measured (16 queries, d = 128, m = 32768, 2 threads): with whole-block buffers (128 KiB of K
-/// pairs, 64 KiB of V^T per 4 groups) the stores that rounded K and V missed L1 and took two
-/// thirds of the time (50-57% of the streaming read). The products are exact and accumulated in
-/// fp32 as in the other forms, in another order (the results differ from them by fp32
-/// round-off). 2 x 16 (k1 - k0) (d + dv) flops of tile products; reads each key and value once.
+/// The buffers are 64-byte aligned and fit L1 together. Measured (16 queries, d = 128, m = 32768,
+/// 2 threads): with whole-block buffers (128 KiB of K pairs, 64 KiB of V^T per 4 groups) the
+/// stores that rounded K and V missed L1 and took two thirds of the time (50-57% of the
+/// streaming read; now 60-64%). The products are exact and accumulated in fp32 as in the other
+/// forms, in another order (the results differ from them by fp32 round-off). 2 x 16 (k1 - k0)
+/// (d + dv) flops of tile products; reads each key and value once.
 template <typename In>
 EFFATTN_TARGET_AMX bool fused_decode_keys_amx(const FusedDecodeProblem<In>& P,
                                               const std::uint32_t* qt, Index rows, Index k0,
