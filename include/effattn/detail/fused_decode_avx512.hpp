@@ -92,11 +92,12 @@ constexpr Index kAmxVStride = kAmxHalf / 32 + 1;
 /// Value-column groups of 16 whose tile products run together in the AMX form.
 constexpr Index kAmxValueGroups = 2;
 /// Column segments (of a half block) the AMX form prefetches ahead in its read order, into L1
-/// (`prefetcht0`; the partial halves of a range's last block through `prefetch_chunk`, into L2). Measured (16 queries, d = 128, 2 threads, Intel Xeon with AMX, 2026-12-04):
-/// 8 segments ahead into L2 (`prefetcht1`, before) cost 3-5% from L3 (m = 32768) and 2-3% from
-/// DRAM (m = 262144) against 4 ahead into L1; a bare rounding loop in this read order ran at the
-/// streaming-read rate with 2-4 segments into L1 and 10% below it with 8 into L2 (a prefetch into
-/// L2 holds a fill buffer as a demand miss does, and the load then misses L1 again).
+/// (`prefetcht0`; the partial halves of a range's last block through `prefetch_chunk`, into L2).
+/// Measured (16 queries, d = 128, 2 threads, Intel Xeon with AMX, 2026-12-04): 8 segments ahead
+/// into L2 (`prefetcht1`, before) cost 3-5% from L3 (m = 32768) and 2-3% from DRAM (m = 262144)
+/// against 4 ahead into L1; a bare rounding loop in this read order ran at the streaming-read rate
+/// with 2-4 segments into L1 and 10% below it with 8 into L2 (a prefetch into L2 holds a fill
+/// buffer as a demand miss does, and the load then misses L1 again).
 constexpr Index kAmxPrefetch = 4;
 
 /// 16 values of a column (lanes outside `k` zero) as bf16 values in fp32: float inputs rounded,
