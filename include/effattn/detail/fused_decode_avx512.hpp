@@ -92,7 +92,7 @@ constexpr Index kAmxVStride = kAmxHalf / 32 + 1;
 /// Value-column groups of 16 whose tile products run together in the AMX form.
 constexpr Index kAmxValueGroups = 2;
 /// Column segments (of a half block) the AMX form prefetches ahead in its read order, into L1
-/// (`prefetcht0`; the partial halves of a range's last block through `prefetch_chunk`, into L2).
+/// (`prefetcht0`, also in the partial halves of a range's last block: `prefetch_chunk<true>`).
 /// Measured (16 queries, d = 128, 2 threads, Intel Xeon with AMX, 2026-12-04): 8 segments ahead
 /// into L2 (`prefetcht1`, before) cost 3-5% from L3 (m = 32768) and 2-3% from DRAM (m = 262144)
 /// against 4 ahead into L1; a bare rounding loop in this read order ran at the streaming-read rate
@@ -190,12 +190,17 @@ struct FusedDecodeState {
   }
 };
 
-/// Prefetches (into L2) the 16-value chunk `ch` of the column segment at `p` (null: none) when
-/// it lies within the segment's first `valid` values.
-template <typename In>
+/// Prefetches the 16-value chunk `ch` of the column segment at `p` (null: none) when it lies
+/// within the segment's first `valid` values: into L2, or into L1 when `IntoL1` (the AMX form,
+/// see `kAmxPrefetch`).
+template <bool IntoL1 = false, typename In>
 EFFATTN_TARGET_AVX512 inline void prefetch_chunk(const In* p, Index ch, Index valid) noexcept {
-  if (p != nullptr && ch * 16 < valid)
-    _mm_prefetch(reinterpret_cast<const char*>(p + ch * 16), _MM_HINT_T1);
+  if (p != nullptr && ch * 16 < valid) {
+    if constexpr (IntoL1)
+      _mm_prefetch(reinterpret_cast<const char*>(p + ch * 16), _MM_HINT_T0);
+    else
+      _mm_prefetch(reinterpret_cast<const char*>(p + ch * 16), _MM_HINT_T1);
+  }
 }
 
 /// Column segment t of the read order around the block at key j0 (`cnt` keys, `next` keys in
@@ -715,8 +720,8 @@ EFFATTN_TARGET_AMX bool fused_decode_keys_amx(const FusedDecodeProblem<In>& P,
       const __mmask16 tail = lanes_below(hc - 16 * (hchunks - 1));
       for (Index ch = 0; ch < hchunks; ++ch) {
         const __mmask16 k = ch + 1 < hchunks ? kDecodeAll : tail;
-        prefetch_chunk(pf0, ch, v0);
-        prefetch_chunk(pf1, ch, v1);
+        prefetch_chunk<true>(pf0, ch, v0);
+        prefetch_chunk<true>(pf1, ch, v1);
         _mm512_storeu_si512(
             dst + ch * 16,
             decode_column_pairs_cvt(x + ch * 16, y != nullptr ? y + ch * 16 : nullptr, k));
@@ -798,8 +803,8 @@ EFFATTN_TARGET_AMX bool fused_decode_keys_amx(const FusedDecodeProblem<In>& P,
         return;
       }
       for (Index t = 0; t < full; ++t) {
-        prefetch_chunk(pf, 2 * t, pfv);
-        prefetch_chunk(pf, 2 * t + 1, pfv);
+        prefetch_chunk<true>(pf, 2 * t, pfv);
+        prefetch_chunk<true>(pf, 2 * t + 1, pfv);
         _mm512_storeu_si512(dst + t * 16, (__m512i)decode_key_pairs(vc + 32 * t, Index(32)));
       }
       if (full < h32)
