@@ -671,6 +671,9 @@ EFFATTN_TARGET_AMX bool fused_decode_keys_amx(const FusedDecodeProblem<In>& P,
   constexpr Index KS = kAmxKStride, VS = kAmxVStride, NG = kAmxValueGroups;
   constexpr Index KBUF = 16 * KS * 16, VBUF = 16 * NG * VS * 16;  // words per buffer
   static_assert(NG == 2, "the value pass runs two accumulator tiles");
+  // The score tiles of an item run as 4 groups of 4 chunks, one group after every 4 of its 16
+  // pairs: at most 16 chunks (256 keys) per half.
+  static_assert(H % 32 == 0 && H / 16 <= 16, "a half is at most 16 chunks of 16 keys");
   const Index d = P.d, dv = P.dv, dq = (d + 31) / 32, dp = (d + 1) / 2, groups = (dv + 15) / 16;
   const Index ngp = (groups + NG - 1) / NG;  // value-column group pairs
   float* s = st.s.data();
