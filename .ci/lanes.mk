@@ -17,7 +17,7 @@ FUZZ_SECONDS ?= 30
 JOB := bash .ci/job
 FUZZ_EXE := build/fuzz/fuzz_attention
 
-.PHONY: all consumer docs asan-build asan-test asan-test-1 asan-test-2 tsan-build tsan-test fuzz-build fuzz-run fuzz-targets
+.PHONY: all consumer docs asan-build asan-test tsan-build tsan-test fuzz-build fuzz-run fuzz-targets
 # Listed longest chain first: make starts the prerequisites of `all` in this order.
 all: asan-test consumer docs tsan-test fuzz-run
 
@@ -32,13 +32,9 @@ docs:
 # separate configure job would let the jobs listed after it start before its build.
 asan-build:
 	+$(JOB) --make asan-build bash -c 'cmake --preset asan && cmake --build build/asan'
-# The tests in two jobs of one test at a time (every other test each: ctest -I start,,2), so
-# that both slots run tests once the other jobs are done (one job of all 437 tests, 175 s, ran
-# its last 105 s beside an idle core, 2026-12-04); while other jobs run, the two take turns
-# with them (the tests that use threads start their own).
-asan-test: asan-test-1 asan-test-2
-asan-test-1 asan-test-2: asan-test-%: asan-build
-	$(JOB) asan-test-$* ctest --preset asan --parallel 1 -I $*,,2
+# One test at a time: the other slot runs other jobs (the tests that use threads start their own).
+asan-test: asan-build
+	$(JOB) asan-test ctest --preset asan --parallel 1
 
 tsan-build:
 	+$(JOB) --make tsan-build bash -c 'cmake --preset tsan && cmake --build build/tsan --target test_thread_safety test_fft'
