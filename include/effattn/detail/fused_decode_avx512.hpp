@@ -428,13 +428,21 @@ EFFATTN_TARGET_AVX512 inline __m512i decode_column_pairs(const float* x, const f
   return bf16_vnni_pairs(_mm512_maskz_loadu_ps(k, x),
                          y != nullptr ? _mm512_maskz_loadu_ps(k, y) : _mm512_setzero_ps());
 }
+/// The word order that interleaves two halves of 16 words (x in words 0-15, y in 16-31) into
+/// pairs (x_k, y_k): as `vcvtne2ps2bf16 (y, x)` leaves them.
+alignas(64) inline constexpr std::uint16_t kDecodeInterleave[32] = {
+    0, 16, 1, 17, 2,  18, 3,  19, 4,  20, 5,  21, 6,  22, 7,  23,
+    8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+/// bf16 inputs: the two 16-word loads side by side, interleaved by one word permutation (2
+/// instructions besides the loads; widening both to 32 bits, shifting and or-ing took 4, which
+/// for bf16 inputs was most of the rounding pass's arithmetic). The same bits.
 EFFATTN_TARGET_AVX512 inline __m512i decode_column_pairs(const Eigen::bfloat16* x,
                                                          const Eigen::bfloat16* y,
                                                          __mmask16 k) noexcept {
-  const __m512i lo = _mm512_maskz_cvtepu16_epi32(kDecodeAll, _mm256_maskz_loadu_epi16(k, x));
-  if (y == nullptr) return lo;
-  return _mm512_or_si512(
-      lo, sll16(_mm512_maskz_cvtepu16_epi32(kDecodeAll, _mm256_maskz_loadu_epi16(k, y))));
+  const __m256i hi = y != nullptr ? _mm256_maskz_loadu_epi16(k, y) : _mm256_setzero_si256();
+  return _mm512_permutexvar_epi16(
+      _mm512_load_si512(kDecodeInterleave),
+      _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_maskz_loadu_epi16(k, x)), hi, 1));
 }
 
 /// 32 consecutive values of a column (the first `count` of them; the rest zero) as 16 bf16 pairs
@@ -571,13 +579,10 @@ EFFATTN_TARGET_AVX512BF16 bool fused_decode_keys_wide(const FusedDecodeProblem<I
 /// as zero anyway). bf16 inputs are only interleaved.
 EFFATTN_TARGET_AVX512BF16 inline __m512i decode_column_pairs_cvt(const float* x, const float* y,
                                                                  __mmask16 k) noexcept {
-  alignas(64) static constexpr std::uint16_t kInterleave[32] = {
-      0, 16, 1, 17, 2,  18, 3,  19, 4,  20, 5,  21, 6,  22, 7,  23,
-      8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
   const __m512bh h =
       _mm512_cvtne2ps_pbh(y != nullptr ? _mm512_maskz_loadu_ps(k, y) : _mm512_setzero_ps(),
                           _mm512_maskz_loadu_ps(k, x));
-  return _mm512_permutexvar_epi16(_mm512_load_si512(kInterleave), (__m512i)h);
+  return _mm512_permutexvar_epi16(_mm512_load_si512(kDecodeInterleave), (__m512i)h);
 }
 EFFATTN_TARGET_AVX512BF16 inline __m512i decode_column_pairs_cvt(const Eigen::bfloat16* x,
                                                                  const Eigen::bfloat16* y,
