@@ -718,8 +718,10 @@ EFFATTN_TARGET_AMX bool fused_decode_keys_amx(const FusedDecodeProblem<In>& P,
         const In* q1 = pf1 != nullptr ? pf1 : y;
         EFFATTN_UNROLL16
         for (Index ch = 0; ch < H / 16; ++ch) {
-          _mm_prefetch(reinterpret_cast<const char*>(q0 + ch * 16), _MM_HINT_T0);
-          _mm_prefetch(reinterpret_cast<const char*>(q1 + ch * 16), _MM_HINT_T0);
+          if (sizeof(In) == 4 || ch % 2 == 0) {  // one per 64-byte line
+            _mm_prefetch(reinterpret_cast<const char*>(q0 + ch * 16), _MM_HINT_T0);
+            _mm_prefetch(reinterpret_cast<const char*>(q1 + ch * 16), _MM_HINT_T0);
+          }
           _mm512_storeu_si512(dst + ch * 16,
                               decode_column_pairs_cvt(x + ch * 16, y + ch * 16, kDecodeAll));
         }
@@ -805,7 +807,8 @@ EFFATTN_TARGET_AMX bool fused_decode_keys_amx(const FusedDecodeProblem<In>& P,
         EFFATTN_UNROLL16
         for (Index t = 0; t < H / 32; ++t) {
           _mm_prefetch(reinterpret_cast<const char*>(q + 32 * t), _MM_HINT_T0);
-          _mm_prefetch(reinterpret_cast<const char*>(q + 32 * t + 16), _MM_HINT_T0);
+          if (sizeof(In) == 4)  // one per 64-byte line
+            _mm_prefetch(reinterpret_cast<const char*>(q + 32 * t + 16), _MM_HINT_T0);
           _mm512_storeu_si512(dst + t * 16, (__m512i)decode_key_pairs(vc + 32 * t, Index(32)));
         }
         return;
