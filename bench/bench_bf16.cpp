@@ -5,6 +5,7 @@
 //   exact/<path>/d<d>/<full|causal>/tall/<n>   path = fp32-tiled, bf16-amx, bf16-avx512bf16,
 //                                        bf16-generic; n = m
 //   decode/<path>/d128/q<queries>/<m>    1..16 queries against m keys (split-KV)
+//   decode-bf16kv/<path>/d128/q<q>/<m>   the same with Q, K and V stored in bf16 (bf16 paths)
 //   stream/read/<bytes>                  a streaming read (sum) of as many bytes as decode reads
 //   .../smoke/...                        tiny configurations for the ctest smoke run
 // Counters: GFLOP/s (4 n m d per iteration; 2 flops per multiply-add for peak and GEMM), rel_err
@@ -138,6 +139,35 @@ void bm_decode(benchmark::State& state, const std::string& name, Path path, Inde
       benchmark::Counter(bytes * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
   state.counters["threads"] = threads;
   state.counters["rel_err"] = sampled_rel_error(w.Q, w.K, w.V, run.out, 0, queries, false);
+}
+
+// Decoding with K and V stored in bf16 (as a model keeps its KV cache): the same workload as
+// `bm_decode`, rounded to bf16 once (Q too), on the bf16 paths; GB/s counts the bf16 bytes, and
+// the summary compares them with a streaming read of as many bytes. rel_err is against the double
+// reference of the float workload, so it includes the rounding of the inputs.
+void bm_decode_bf16kv(benchmark::State& state, const std::string& name, Path path, Index queries) {
+  if (!path_available(state, path)) return;
+  using B = Eigen::bfloat16;
+  const Index m = state.range(0), d = 128;
+  const int threads = set_threads(0);
+  const auto& w = cached_workload<float>(workloads::Kind::Gaussian, queries, m, d, d);
+  const Matrix<B> Q = w.Q.cast<B>(), K = w.K.cast<B>(), V = w.V.cast<B>();
+  const ExactOptions opts;  // defaults, as `Runner` takes them
+  const detail::TilePlan plan =
+      detail::plan_bf16_tiles(queries, m, d, d, opts.block_q, opts.block_k);
+  const float scale = static_cast<float>(detail::resolve_scale(opts.scale, d));
+  Matrix<float> out;
+  Vector<float> lse;
+  const double sec = timed_loop(state, [&] {
+    detail::tiled_attention_bf16<B>(Q, K, V, nullptr, scale, false, plan, path_isa(path), out, lse);
+    benchmark::DoNotOptimize(out.data());
+  });
+  times()[name + "/" + std::to_string(m)] = sec;
+  const double bytes = 2.0 * static_cast<double>(m * d) * sizeof(B);
+  state.counters["GB/s"] =
+      benchmark::Counter(bytes * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
+  state.counters["threads"] = threads;
+  state.counters["rel_err"] = sampled_rel_error(w.Q, w.K, w.V, out, 0, queries, false);
 }
 
 // Streaming read: the sum of `floats` floats, in parallel, the machine's read bandwidth for an
@@ -284,9 +314,20 @@ void register_all() {
       for (const std::int64_t m : {32768, 262144}) b->Arg(m);
       b->Unit(benchmark::kMillisecond)->UseRealTime();
     }
+  for (const Index q : {1, 4, 16})
+    for (const Path p : kPaths) {
+      if (p == Path::Fp32) continue;  // fp32 Tiled takes float inputs
+      const std::string name =
+          std::string("decode-bf16kv/") + path_name(p) + "/d128/q" + std::to_string(q);
+      auto* b = benchmark::RegisterBenchmark(
+          name.c_str(), [=](benchmark::State& s) { bm_decode_bf16kv(s, name, p, q); });
+      for (const std::int64_t m : {32768, 262144}) b->Arg(m);
+      b->Unit(benchmark::kMillisecond)->UseRealTime();
+    }
   auto* st = benchmark::RegisterBenchmark("stream/read",
                                           [](benchmark::State& s) { bm_stream(s, "stream/read"); });
-  for (const std::int64_t m : {32768, 262144}) st->Arg(2 * m * 128);  // K and V of a decode
+  // K and V of a decode: in float, and in bf16 (as many bytes as m x 128 floats).
+  for (const std::int64_t m : {32768, 262144}) st->Arg(2 * m * 128)->Arg(m * 128);
   st->Unit(benchmark::kMillisecond)->UseRealTime();
   // Smoke (ctest): every family at a tiny size.
   for (const Path p : kPaths) {
@@ -299,6 +340,12 @@ void register_all() {
     benchmark::RegisterBenchmark(dname.c_str(), [=](benchmark::State& s) {
       bm_decode(s, dname, p, 1);
     })->Arg(4096);
+    if (p != Path::Fp32) {
+      const std::string kname = std::string("decode-bf16kv/") + path_name(p) + "/d128/q16/smoke";
+      benchmark::RegisterBenchmark(kname.c_str(), [=](benchmark::State& s) {
+        bm_decode_bf16kv(s, kname, p, 16);
+      })->Arg(4096);
+    }
   }
   benchmark::RegisterBenchmark("stream/read/smoke", [](benchmark::State& s) {
     bm_stream(s, "stream/read/smoke");
@@ -340,6 +387,16 @@ void summary() {
         if (a == t.end() || b == t.end() || b->second <= 0) continue;
         std::printf("decode %-16s %s m = %-7lld bandwidth / streaming read %6.1f%%\n", path_name(p),
                     q, static_cast<long long>(m), 100.0 * a->second / b->second);
+      }
+  for (const std::int64_t m : {32768, 262144})
+    for (const char* q : {"q1", "q4", "q16"})
+      for (const Path p : kPaths) {
+        const auto a = t.find("stream/read/" + std::to_string(m * 128));
+        const auto b = t.find(std::string("decode-bf16kv/") + path_name(p) + "/d128/" + q + "/" +
+                              std::to_string(m));
+        if (a == t.end() || b == t.end() || b->second <= 0) continue;
+        std::printf("decode, bf16 K and V %-16s %s m = %-7lld bandwidth / streaming read %6.1f%%\n",
+                    path_name(p), q, static_cast<long long>(m), 100.0 * a->second / b->second);
       }
 }
 
