@@ -305,25 +305,21 @@ void register_all() {
             ->Unit(benchmark::kMillisecond)
             ->UseRealTime();
       }
-  for (const Index q : {1, 4, 16})
-    for (const Path p : kPaths) {
-      const std::string name =
-          std::string("decode/") + path_name(p) + "/d128/q" + std::to_string(q);
-      auto* b = benchmark::RegisterBenchmark(
-          name.c_str(), [=](benchmark::State& s) { bm_decode(s, name, p, q); });
-      for (const std::int64_t m : {32768, 262144}) b->Arg(m);
-      b->Unit(benchmark::kMillisecond)->UseRealTime();
-    }
-  for (const Index q : {1, 4, 16})
-    for (const Path p : kPaths) {
-      if (p == Path::Fp32) continue;  // fp32 Tiled takes float inputs
-      const std::string name =
-          std::string("decode-bf16kv/") + path_name(p) + "/d128/q" + std::to_string(q);
-      auto* b = benchmark::RegisterBenchmark(
-          name.c_str(), [=](benchmark::State& s) { bm_decode_bf16kv(s, name, p, q); });
-      for (const std::int64_t m : {32768, 262144}) b->Arg(m);
-      b->Unit(benchmark::kMillisecond)->UseRealTime();
-    }
+  for (const bool kv16 : {false, true})
+    for (const Index q : {1, 4, 16})
+      for (const Path p : kPaths) {
+        if (kv16 && p == Path::Fp32) continue;  // fp32 Tiled takes float inputs
+        const std::string name = std::string(kv16 ? "decode-bf16kv/" : "decode/") + path_name(p) +
+                                 "/d128/q" + std::to_string(q);
+        auto* b = benchmark::RegisterBenchmark(name.c_str(), [=](benchmark::State& s) {
+          if (kv16)
+            bm_decode_bf16kv(s, name, p, q);
+          else
+            bm_decode(s, name, p, q);
+        });
+        for (const std::int64_t m : {32768, 262144}) b->Arg(m);
+        b->Unit(benchmark::kMillisecond)->UseRealTime();
+      }
   auto* st = benchmark::RegisterBenchmark("stream/read",
                                           [](benchmark::State& s) { bm_stream(s, "stream/read"); });
   // K and V of a decode: in float, and in bf16 (as many bytes as m x 128 floats).
@@ -378,26 +374,19 @@ void summary() {
       ratio(split, single,
             (std::string(p) + "-split time / one product, n = m = 4096, " + d).c_str());
     }
-  for (const std::int64_t m : {32768, 262144})
-    for (const char* q : {"q1", "q4", "q16"})
-      for (const Path p : kPaths) {
-        const auto a = t.find("stream/read/" + std::to_string(2 * m * 128));
-        const auto b =
-            t.find(std::string("decode/") + path_name(p) + "/d128/" + q + "/" + std::to_string(m));
-        if (a == t.end() || b == t.end() || b->second <= 0) continue;
-        std::printf("decode %-16s %s m = %-7lld bandwidth / streaming read %6.1f%%\n", path_name(p),
-                    q, static_cast<long long>(m), 100.0 * a->second / b->second);
-      }
-  for (const std::int64_t m : {32768, 262144})
-    for (const char* q : {"q1", "q4", "q16"})
-      for (const Path p : kPaths) {
-        const auto a = t.find("stream/read/" + std::to_string(m * 128));
-        const auto b = t.find(std::string("decode-bf16kv/") + path_name(p) + "/d128/" + q + "/" +
-                              std::to_string(m));
-        if (a == t.end() || b == t.end() || b->second <= 0) continue;
-        std::printf("decode, bf16 K and V %-16s %s m = %-7lld bandwidth / streaming read %6.1f%%\n",
-                    path_name(p), q, static_cast<long long>(m), 100.0 * a->second / b->second);
-      }
+  // Decoding against a streaming read of as many bytes: float K and V, then bf16 (half of them).
+  for (const bool kv16 : {false, true})
+    for (const std::int64_t m : {32768, 262144})
+      for (const char* q : {"q1", "q4", "q16"})
+        for (const Path p : kPaths) {
+          const auto a = t.find("stream/read/" + std::to_string((kv16 ? 1 : 2) * m * 128));
+          const auto b = t.find(std::string(kv16 ? "decode-bf16kv/" : "decode/") + path_name(p) +
+                                "/d128/" + q + "/" + std::to_string(m));
+          if (a == t.end() || b == t.end() || b->second <= 0) continue;
+          std::printf("decode%s %-16s %s m = %-7lld bandwidth / streaming read %6.1f%%\n",
+                      kv16 ? ", bf16 K and V" : "", path_name(p), q, static_cast<long long>(m),
+                      100.0 * a->second / b->second);
+        }
 }
 
 }  // namespace
