@@ -193,6 +193,16 @@ struct FusedDecodeState {
 /// Prefetches the 16-value chunk `ch` of the column segment at `p` (null: none) when it lies
 /// within the segment's first `valid` values: into L2, or into L1 when `IntoL1` (the AMX form,
 /// see `kAmxPrefetch`).
+///
+/// For bf16 inputs a chunk is half a 64-byte line, so the FMA forms prefetch each line twice, a
+/// chunk apart; that stays on purpose. Measured (Intel Xeon with AMX, 2 threads, d = 128,
+/// m = 32768, alternating with a parallel sum of the same bytes, 2026-12-04): one prefetch per
+/// line (even chunks only) ran 4 queries at 0.47-0.53 of the sum's rate against 0.56-0.60 (1
+/// query: no change), unlike the AMX form's L1 prefetches (`fused_decode_keys_amx`), where one
+/// per line was a little faster. Prefetching into L1 instead of L2 in the FMA forms was 5-10%
+/// faster from L3 (m = 32768; float and bf16 inputs, 1 and 4 queries) and 2-15% slower from
+/// DRAM (m = 262144); 8 segments ahead into L1 as fast as 4 into L2 in both; a prefetch of
+/// every line into L2 8 segments ahead plus into L1 4 ahead 10-40% slower. So L2, 4 ahead.
 template <bool IntoL1 = false, typename In>
 EFFATTN_TARGET_AVX512 inline void prefetch_chunk(const In* p, Index ch, Index valid) noexcept {
   if (p != nullptr && ch * 16 < valid) {
