@@ -20,6 +20,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
+#include <limits>
 #include <numeric>
 #include <string_view>
 
@@ -731,7 +732,10 @@ TEST_CASE("KepSvgp degenerate inputs", "[kep_svgp]") {
       CHECK((r.ksvd.Hr.cwiseAbs().array() - 1 / std::sqrt(30.0)).abs().maxCoeff() <= 1e-14);
       const Matrix<double> colmean = v.colwise().mean().replicate(n, 1);
       CHECK(max_abs_error(r.output, colmean) <= 1e-14);
-      CHECK(r.variance.maxCoeff() <= 1e-28);
+      // The variance is ||K_i||^2 - ||E_i||^2 with ||K_i||^2 = 1 / n: zero up to the round-off
+      // of that difference. Measured 1.5e-17 (about 2 eps / n) for s = 1 and 5 since KEP-SVGP's
+      // own Householder QR (detail/householder.hpp); Eigen's HouseholderQR happened to give 0.
+      CHECK(r.variance.maxCoeff() <= 8 * std::numeric_limits<double>::epsilon() / n);
       CHECK(r.output.allFinite());
     }
   }

@@ -21,9 +21,7 @@
 /// (detail/kep_svgp_impl.hpp, `kep_thin_svd_dense`).
 #pragma once
 
-#include <Eigen/Householder>
 #include <Eigen/Jacobi>
-#include <Eigen/QR>
 #include <algorithm>
 #include <cmath>
 #include <limits>
@@ -31,6 +29,7 @@
 #include <vector>
 
 #include "../core/types.hpp"
+#include "householder.hpp"
 
 namespace effattn {
 namespace detail {
@@ -94,12 +93,14 @@ void thin_svd_qr_jacobi(const Matrix<Scalar>& X, Matrix<Scalar>& U, Vector<Scala
     return;
   }
   // T = Q R, T = X (tall) or X^T (wide); R (k x k) upper triangular.
-  Eigen::HouseholderQR<Matrix<Scalar>> qr;
+  Matrix<Scalar> qr;
   if (wide)
-    qr.compute(X.transpose());
+    qr = X.transpose();
   else
-    qr.compute(X);
-  Eigen::MatrixXd A = qr.matrixQR().topRows(k).template cast<double>();
+    qr = X;
+  Vector<Scalar> tau;
+  householder_qr(qr, tau);
+  Eigen::MatrixXd A = qr.topRows(k).template cast<double>();
   A.template triangularView<Eigen::StrictlyLower>().setZero();
   Eigen::MatrixXd V;
   jacobi_orthogonalize_columns(A, V);  // R V = A = U_R diag(sigma), so R = U_R diag(sigma) V^T
@@ -118,7 +119,7 @@ void thin_svd_qr_jacobi(const Matrix<Scalar>& X, Matrix<Scalar>& U, Vector<Scala
     if (sigma(o) > 0.0) left.col(j).head(k) = (A.col(o) / sigma(o)).template cast<Scalar>();
     right.col(j) = V.col(o).template cast<Scalar>();
   }
-  left.applyOnTheLeft(qr.householderQ());
+  householder_apply_q(qr, tau, left);
   if (wide) {  // X = T^T = V diag(sigma) (Q U_R)^T
     U = std::move(right);
     W = std::move(left);

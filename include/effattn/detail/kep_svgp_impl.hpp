@@ -6,7 +6,6 @@
 
 #include "../kep_svgp.hpp"
 
-#include <Eigen/QR>
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -21,6 +20,7 @@
 #include "../core/random.hpp"
 #include "../core/softmax.hpp"
 #include "../core/types.hpp"
+#include "householder.hpp"
 #include "jacobi_svd.hpp"
 
 namespace effattn {
@@ -236,8 +236,10 @@ Matrix<Scalar> kep_dense_kernel(const KepKernelCtx<Scalar, Features>& c) {
 /// rank deficient).
 template <typename Scalar>
 Matrix<Scalar> kep_orth(const Matrix<Scalar>& X) {
-  Eigen::HouseholderQR<Matrix<Scalar>> qr(X);
-  return qr.householderQ() * Matrix<Scalar>::Identity(X.rows(), X.cols());
+  Matrix<Scalar> qr = X;
+  Vector<Scalar> tau;
+  householder_qr(qr, tau);
+  return householder_thin_q(qr, tau, X.cols());
 }
 
 /// Thin SVD X = U diag(s) W^T for the dense oracle (policy::DenseSvd): Householder QR and
@@ -527,11 +529,14 @@ void kep_svd_factorized(const KepKernelCtx<Scalar, true>& c, Index want, double 
   run_serial([&] {
     const Index p = c.A.cols();
     const Index pa = std::min(c.n, p), pb = std::min(c.m, p);
-    Eigen::HouseholderQR<Matrix<Scalar>> qa(c.A), qb(c.B);
-    const Matrix<Scalar> QA = qa.householderQ() * Matrix<Scalar>::Identity(c.n, pa);
-    const Matrix<Scalar> QB = qb.householderQ() * Matrix<Scalar>::Identity(c.m, pb);
-    const Matrix<Scalar> RA = qa.matrixQR().topRows(pa).template triangularView<Eigen::Upper>();
-    const Matrix<Scalar> RB = qb.matrixQR().topRows(pb).template triangularView<Eigen::Upper>();
+    Matrix<Scalar> qa = c.A, qb = c.B;
+    Vector<Scalar> ta, tb;
+    householder_qr(qa, ta);
+    householder_qr(qb, tb);
+    const Matrix<Scalar> QA = householder_thin_q(qa, ta, pa);
+    const Matrix<Scalar> QB = householder_thin_q(qb, tb, pb);
+    const Matrix<Scalar> RA = qa.topRows(pa).template triangularView<Eigen::Upper>();
+    const Matrix<Scalar> RB = qb.topRows(pb).template triangularView<Eigen::Upper>();
     const Matrix<Scalar> core = matmul<Op::N, Op::T>(RA, RB);
     Matrix<Scalar> U, W;
     Vector<Scalar> s;
