@@ -45,6 +45,7 @@ class CompressedKV:
     keys: npt.NDArray[np.floating]
     values: npt.NDArray[np.floating]
     weights: npt.NDArray[np.floating]
+    log_scale: npt.NDArray[np.floating]
     pivots: npt.NDArray[np.int64]
     def append(self, k: ArrayLike, v: ArrayLike) -> None:
         """Appends newly decoded tokens (t, d), (t, dv) exactly (weight 1)."""
@@ -106,6 +107,18 @@ def sdpa_backward(
 
 def compress_kv(k: ArrayLike, v: ArrayLike, q_radius: float = 0.0, **options: Any) -> CompressedKV:
     """WildCat CompressKV of one head (options as for method 'wildcat')."""
+
+def kv_press(
+    k: ArrayLike,
+    v: ArrayLike,
+    press: str,
+    keep: float = 0.0,
+    rows: int = 0,
+    q: Optional[ArrayLike] = None,
+    **options: Any,
+) -> CompressedKV:
+    """A KV-cache press of one head: 'drop', 'streaming', 'uniform', 'knorm', 'snapkv',
+    'observed', 'wildcat' or 'vcc', to round(keep m) rows (or `rows`)."""
 
 def weighted_attention(q: ArrayLike, cache: CompressedKV, check: bool = True, **options: Any) -> Result:
     """Attention of q over a CompressedKV (WildCat WtdAttn)."""

@@ -4,6 +4,7 @@
 // KV-cache decoding against the full forward pass.
 #include <catch2/catch.hpp>
 
+#include "../examples/lm/lm_press.hpp"
 #include "../examples/lm/lm_run.hpp"
 #include "../examples/lm/lm_workload.hpp"
 #include "conformance.hpp"
@@ -179,6 +180,105 @@ TEST_CASE("lm: KV-cache decoding reproduces the full forward pass", "[lm]") {
   const GenerateResult g = generate(m, prompt, o, &forced);
   CHECK(g.step_logits.allFinite());
   CHECK(g.cache_rows < T0 + N);
+}
+
+TEST_CASE("lm: every press at keep = 1 reproduces exact attention; presses change the bits",
+          "[lm][kv_press]") {
+  const Model& m = model("decoder");
+  const std::vector<int>& text = heldout();
+  PressEvalOptions o;
+  o.context = 512;
+  o.spans = {{700, 60}, {1500, 200}, {3000, 1}};
+  for (const auto k : effattn::kv_press::all())
+    o.presses.push_back({effattn::kv_press::name(k), 1.0});
+  o.presses.push_back({"streaming", 0.1});
+  o.presses.push_back({"drop", 0.5});
+  o.bootstrap = 200;
+  const PressEvalResult r = press_evaluate(m, text, o);
+  REQUIRE(r.units == 3);
+  CHECK(r.span_bytes == 261);
+  // Oracle: the full forward pass of each unit's window with exact attention (one causal
+  // attention over prompt and span together, not the prefill + pressed-cache path).
+  MethodAttention ex(m.cfg, {});
+  double want = 0;
+  for (const Span& s : o.spans) {
+    const Index end = s.start + s.length, begin = std::max<Index>(0, end - 512);
+    const std::vector<int> win(text.begin() + begin, text.begin() + end);
+    const Mat logits = forward(m, win, ex.fn());
+    for (Index t = s.start - begin; t < end - begin; ++t)
+      want += bits_of(logits.row(t - 1), win[static_cast<std::size_t>(t)]);
+  }
+  want /= 261.0;
+  INFO("exact span bits/byte " << r.exact.span_bits_per_byte << " vs full forward " << want);
+  CHECK(std::abs(r.exact.span_bits_per_byte - want) < 1e-4);
+  for (const PressRow& row : r.rows) {
+    INFO(row.config.press << " keep " << row.config.keep << ": delta " << row.delta);
+    if (row.config.keep == 1.0) {
+      // Every row kept: the same arithmetic as exact up to the order of the cache's rows
+      // (measured |delta| <= 1e-7).
+      CHECK(std::abs(row.delta) < 1e-6);
+      CHECK(row.ci_low <= row.delta);
+      CHECK(row.ci_high >= row.delta);
+    } else {
+      CHECK(std::abs(row.delta) > 1e-4);  // a real press changes the scored bytes
+    }
+  }
+}
+
+TEST_CASE("lm: spans files are checked", "[lm][kv_press]") {
+  const std::string path = "lm_test_spans.txt";
+  const auto fails = [&](const std::string& body, const std::string& needle) {
+    std::ofstream(path) << body;
+    try {
+      (void)read_spans(path, 1000, 256);
+      FAIL("no error for '" << body << "'");
+    } catch (const lm_error& e) {
+      INFO(e.what());
+      CHECK(std::string(e.what()).find(needle) != std::string::npos);
+    }
+  };
+  fails("990 20\n", "outside the text");
+  fails("0 5\n", "outside the text");
+  fails("10 300\n", "shorter than --context 256");
+  fails("10\n", "expected 'START LENGTH'");
+  fails("# nothing\n\n", "holds no span");
+  std::ofstream(path) << "# a comment\n10 20\n\n500 255\n";
+  const std::vector<Span> s = read_spans(path, 1000, 256);
+  REQUIRE(s.size() == 2);
+  CHECK((s[1].start == 500 && s[1].length == 255));
+  std::remove(path.c_str());
+}
+
+TEST_CASE("lm: decoding with a pressed cache", "[lm][kv_press]") {
+  const Model& m = model("decoder");
+  const std::vector<int>& text = heldout();
+  const Index T0 = 300, N = 24;
+  const std::vector<int> prompt(text.begin(), text.begin() + T0);
+  const std::vector<int> forced(text.begin() + T0, text.begin() + T0 + N);
+  GenerateOptions ex;
+  ex.tokens = N;
+  const GenerateResult ref = generate(m, prompt, ex, &forced);
+  for (const auto k : effattn::kv_press::all()) {
+    GenerateOptions o;
+    o.tokens = N;
+    o.press = effattn::kv_press::name(k);
+    o.keep = 1.0;  // every row kept: the exact cache
+    const GenerateResult g = generate(m, prompt, o, &forced);
+    const double rel = (g.step_logits - ref.step_logits).norm() / ref.step_logits.norm();
+    INFO(o.press << " keep 1: " << rel);
+    CHECK(rel < 1e-4);
+    CHECK(g.cache_rows == T0 + N);
+    o.keep = 0.1;
+    const GenerateResult p = generate(m, prompt, o, &forced);
+    INFO(o.press << " keep 0.1: cache rows " << p.cache_rows);
+    CHECK(p.step_logits.allFinite());
+    CHECK(p.cache_rows <= 30 + N);
+    CHECK((p.step_logits - ref.step_logits).norm() > 1e-3 * ref.step_logits.norm());
+  }
+  GenerateOptions bad;
+  bad.method = "wildcat";
+  bad.press = "knorm";
+  CHECK_THROWS_AS(generate(m, prompt, bad), lm_error);
 }
 
 TEST_CASE("lm: the weight loader rejects truncated and corrupted files", "[lm]") {

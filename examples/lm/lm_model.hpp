@@ -319,10 +319,11 @@ struct ForwardTimes {
   double total = 0;      ///< seconds of the whole forward pass
 };
 
-/// Forward pass of one window of tokens (positions 0..T-1): logits T x vocab. `attn` computes
-/// every layer's attention (see AttentionFn).
+/// Forward pass of one window of tokens (positions first..first+T-1): logits T x vocab. `attn`
+/// computes every layer's attention (see AttentionFn; with first > 0 it supplies the earlier
+/// positions' keys and values itself, as a KV cache does).
 inline Mat forward(const Model& m, const std::vector<int>& tokens, const AttentionFn& attn,
-                   ForwardTimes* times = nullptr) {
+                   ForwardTimes* times = nullptr, Index first = 0) {
   using clock = std::chrono::steady_clock;
   const auto t0 = clock::now();
   const Config& c = m.cfg;
@@ -336,14 +337,14 @@ inline Mat forward(const Model& m, const std::vector<int>& tokens, const Attenti
     x.row(t) = m.embed_t.col(tok).transpose();
   }
   Rope rope;
-  rope.build(T, c.head_dim, c.rope_base);
+  rope.build(first + T, c.head_dim, c.rope_base);
   double attn_s = 0;
   for (Index l = 0; l < c.layers; ++l) {
     const Layer& L = m.layers[static_cast<std::size_t>(l)];
     Mat h = rmsnorm(x, L.attn_norm, c.norm_eps);
     Mat q = h * L.wq, k = h * L.wk, v = h * L.wv;
-    rope.apply(q, c.heads, c.head_dim);
-    rope.apply(k, c.kv_heads, c.head_dim);
+    rope.apply(q, c.heads, c.head_dim, first);
+    rope.apply(k, c.kv_heads, c.head_dim, first);
     const auto a0 = clock::now();
     const Mat a = attn(l, q, k, v);
     attn_s += std::chrono::duration<double>(clock::now() - a0).count();

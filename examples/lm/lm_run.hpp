@@ -4,10 +4,13 @@
 
 #include "../compare_methods.hpp"  // compare::spearman
 #include "lm_attention.hpp"
+
+#include <effattn/kv_press.hpp>
 #include "lm_model.hpp"
 
 #include <unistd.h>
 #include <cstdio>
+#include <optional>
 #include <random>
 
 namespace effattn {
@@ -120,6 +123,12 @@ struct GenerateOptions {
   double temperature = 0.8;      ///< sampling temperature (0 = greedy)
   std::uint64_t seed = 42;       ///< sampling (sequence b: seed + b) and WildCat seed
   Index recompress_every = 256;  ///< WildCat: re-compress the exact tail when it reaches this
+  /// A press (kv_press.hpp) of the prompt's cache, with method exact: the prompt's keys and
+  /// values of every layer and kv head pressed to `keep` of their rows after the prefill; the
+  /// decoded tokens are appended exactly. Empty: no press.
+  std::string press;
+  double keep = 0.1;             ///< the press's keep ratio
+  KvPressOptions press_options;  ///< sinks, observation, pool (press, keep, seed set from above)
 };
 
 struct GenerateResult {
@@ -127,6 +136,7 @@ struct GenerateResult {
   Mat step_logits;    ///< sequence 0: logits after each fed token (tokens x vocab)
   Mat prompt_logits;  ///< logits of the prompt (prefill)
   double prefill_seconds = 0, decode_seconds = 0;
+  double compress_seconds = 0;  ///< pressing the prompt's cache (part of decode_seconds)
   Index prompt_tokens = 0, cache_rows = 0;  ///< cache rows per (sequence, kv head) at the end
 };
 
@@ -154,6 +164,9 @@ inline GenerateResult generate(const Model& model, const std::vector<int>& promp
   if (prompt.empty()) throw lm_error("effattn-lm: empty prompt");
   if (opt.method != "exact" && opt.method != "wildcat")
     throw lm_error("effattn-lm: generate supports --method exact or wildcat");
+  const bool pressed = !opt.press.empty();
+  if (pressed && opt.method != "exact")
+    throw lm_error("effattn-lm: --press runs with --method exact (the press is the cache)");
   if (opt.tokens < 0 || opt.budget < 1 || opt.recompress_every < 1 || opt.batch < 1)
     throw lm_error("effattn-lm: bad generation options");
   if (forced && static_cast<Index>(forced->size()) < opt.tokens)
@@ -167,8 +180,20 @@ inline GenerateResult generate(const Model& model, const std::vector<int>& promp
   // Row-major caches, one region of Tmax rows per sequence: a token appends one contiguous
   // row, and MultiHead's decoding kernel streams row-major K and V without GEMM packing.
   using RowMat = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
-  const bool wc = opt.method == "wildcat";
+  // WildCat and the presses decode against compressed caches.
+  const bool wc = opt.method == "wildcat" || pressed;
   std::vector<RowMat> Kc(static_cast<std::size_t>(c.layers)), Vc(Kc.size());
+  std::vector<Mat> Qp(pressed ? Kc.size() : 0);  // the prompt's queries, for query-guided presses
+  std::optional<KvPressf> press;
+  if (pressed) {
+    KvPressOptions po = opt.press_options;
+    po.press = kv_press::from_name(opt.press);
+    po.keep = opt.keep;
+    po.rows = 0;
+    po.seed = opt.seed;
+    po.query_heads = H / G;
+    press.emplace(po);
+  }
   ExactOptions eo;
   eo.causal = true;
   const MultiHead<ExactAttentionf> exact(eo, layout);
@@ -190,6 +215,7 @@ inline GenerateResult generate(const Model& model, const std::vector<int>& promp
           K.middleRows(b * Tmax, T0) = k;
           V.middleRows(b * Tmax, T0) = v;
         }
+        if (pressed) Qp[static_cast<std::size_t>(l)] = q;
         return Mat(exact.compute(q, k, v).output);
       });
   res.prefill_seconds = std::chrono::duration<double>(clock::now() - t0).count();
@@ -201,7 +227,37 @@ inline GenerateResult generate(const Model& model, const std::vector<int>& promp
   using Cache = decltype(wild.compress_kv(Kc[0].topRows(T0), Vc[0].topRows(T0)));
   std::vector<Cache> caches;
   std::vector<double> qrad(static_cast<std::size_t>(c.layers), 0.0);
-  if (wc) {
+  if (pressed) {
+    // Every layer's prompt cache pressed per kv head (the query-guided presses read the group's
+    // prompt queries: all of them for observed and wildcat, the observation window otherwise),
+    // then copied to every sequence.
+    const Index group = H / G;
+    const kv_press::Kind kind = press->options().press;
+    const Index w = kind == kv_press::Kind::Observed || kind == kv_press::Kind::Wildcat
+                        ? T0
+                        : (kv_press::uses_queries(kind) ? std::min(press->options().observation, T0)
+                                                        : Index(0));
+    for (Index l = 0; l < c.layers; ++l) {
+      const Mat K = Kc[static_cast<std::size_t>(l)], V = Vc[static_cast<std::size_t>(l)];
+      const Mat& Q = Qp[static_cast<std::size_t>(l)];
+      Cache all;
+      all.batch = B;
+      all.kv_heads = G;
+      all.caches.resize(static_cast<std::size_t>(B * G));
+      for (Index g = 0; g < G; ++g) {
+        Mat Qg(w * group, hd);
+        for (Index j = 0; j < group; ++j)
+          Qg.middleRows(j * w, w) = Q.block(T0 - w, (g * group + j) * hd, w, hd);
+        const auto one = press->compress(K.middleCols(g * hd, hd), V.middleCols(g * hd, hd), Qg);
+        for (Index b = 0; b < B; ++b) all.at(b, g) = one;
+      }
+      caches.push_back(std::move(all));
+      Kc[static_cast<std::size_t>(l)].resize(0, 0);
+      Vc[static_cast<std::size_t>(l)].resize(0, 0);
+      Qp[static_cast<std::size_t>(l)].resize(0, 0);
+    }
+    res.compress_seconds = std::chrono::duration<double>(clock::now() - t1).count();
+  } else if (wc) {
     // The prompt's queries are not kept; the query radius is that of the prompt's keys, a
     // stand-in of the same scale (RMS-normed inputs), raised as decoding sees larger queries.
     // The prompt is compressed once and the caches copied to every sequence.
@@ -269,7 +325,7 @@ inline GenerateResult generate(const Model& model, const std::vector<int>& promp
         for (Index b = 0; b < B; ++b)
           for (Index hh = 0; hh < H; ++hh)
             qr = std::max<double>(qr, q.block(b, hh * hd, 1, hd).norm());
-        if (cache.at(0, 0).tail_size() >= opt.recompress_every)
+        if (!pressed && cache.at(0, 0).tail_size() >= opt.recompress_every)
           for (auto& one : cache.caches) wild.functor().recompress_tail(one, qr);
         a = wild.weighted_attention(q, cache, cu_q).output;
         res.cache_rows = cache.at(0, 0).size();
@@ -283,7 +339,8 @@ inline GenerateResult generate(const Model& model, const std::vector<int>& promp
     last = rows_times(rmsnorm(x, model.final_norm, c.norm_eps), model.embed_t);
     res.step_logits.row(i) = last.row(0);
   }
-  res.decode_seconds = std::chrono::duration<double>(clock::now() - t1).count();
+  res.decode_seconds =
+      std::chrono::duration<double>(clock::now() - t1).count() - res.compress_seconds;
   if (!wc) res.cache_rows = Tmax;
   return res;
 }

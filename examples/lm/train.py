@@ -106,13 +106,24 @@ FIXTURE_TOKENS = 128
 MASK_TOKEN = 256
 SMOKE_OUT = "/tmp/effattn-lm-smoke"
 
+# Decoder training windows with passages repeated verbatim later in the same window (as
+# refrains, quotations and parallel passages do in real text), so that predicting a byte pays off
+# from retrieving it from far back in the context, and the model learns to copy: with probability
+# `prob` a window receives 1..`copies` copies, each of a passage of `min_len`..`max_len` bytes
+# (log-uniform) from anywhere earlier in the window, at any distance up to the whole window; with
+# probability `cipher` the window's letters are first replaced through a random permutation of
+# the alphabet (the same throughout the window), so that the copies can only be predicted by
+# looking them up, not from memorised KJV text.
+REPEATS = dict(prob=0.8, copies=4, min_len=16, max_len=1024, cipher=0.2)
+
 COMMON = dict(d_model=256, layers=4, heads=4, head_dim=64, d_ff=768, rope_base=10000.0,
               norm_eps=1e-5, lr=2e-3, min_lr_ratio=0.1, betas=(0.9, 0.95), weight_decay=0.1,
               grad_clip=1.0, init_std=0.02)
 CONFIGS = {
-    "decoder": dict(COMMON, kind=lm_format.KIND_DECODER, vocab=256, kv_heads=2, context=2048,
-                    mask_token=lm_format.NO_MASK_TOKEN, batch=4, steps=450, warmup=30,
-                    attn_blocks=8, seed=20, data_seed=21),
+    "decoder": dict(COMMON, kind=lm_format.KIND_DECODER, vocab=256, kv_heads=2, context=4096,
+                    mask_token=lm_format.NO_MASK_TOKEN, batch=2, steps=700, warmup=30,
+                    attn_blocks=16, seed=20, data_seed=21, repeats=REPEATS,
+                    eval_contexts=(1024, 2048, 4096)),
     "encoder": dict(COMMON, kind=lm_format.KIND_ENCODER, vocab=257, kv_heads=4, context=1024,
                     mask_token=MASK_TOKEN, mask_prob=0.15, batch=8, steps=700, warmup=40,
                     attn_blocks=1, seed=30, data_seed=31),
@@ -300,6 +311,8 @@ def sample_batch(data, cfg, gen):
     starts = torch.randint(0, len(data) - span + 1, (B,), generator=gen)
     win = data[starts[:, None] + torch.arange(span)[None, :]].long()
     if decoder:
+        if cfg.get("repeats"):
+            insert_repeats(win, cfg["repeats"], gen)
         return win[:, :-1], win[:, 1:], None
     masked = torch.rand(B, C, generator=gen) < cfg["mask_prob"]
     r = torch.rand(B, C, generator=gen)
@@ -311,6 +324,37 @@ def sample_batch(data, cfg, gen):
     return inp, win, masked
 
 
+def _randint(lo, hi, gen):
+    """Uniform integer in [lo, hi] from ``gen``."""
+    return int(torch.randint(lo, hi + 1, (1,), generator=gen))
+
+
+def cipher_letters(row, gen):
+    """Replaces the letters of ``row`` (long tensor of bytes) in place through one random
+    permutation of a-z (and the same one of A-Z)."""
+    perm = torch.randperm(26, generator=gen)
+    table = torch.arange(256)
+    table[ord("a"):ord("z") + 1] = perm + ord("a")
+    table[ord("A"):ord("Z") + 1] = perm + ord("A")
+    row.copy_(table[row])
+
+
+def insert_repeats(win, rep, gen):
+    """In place, per row of ``win`` (B x S bytes): REPEATS' copies of earlier passages."""
+    S = win.shape[1]
+    lo, hi = math.log(rep["min_len"]), math.log(min(rep["max_len"], S // 2))
+    for row in win:
+        if float(torch.rand(1, generator=gen)) >= rep["prob"]:
+            continue
+        if float(torch.rand(1, generator=gen)) < rep["cipher"]:
+            cipher_letters(row, gen)
+        for _ in range(_randint(1, rep["copies"], gen)):
+            L = int(math.exp(lo + (hi - lo) * float(torch.rand(1, generator=gen))))
+            dst = _randint(L, S - L, gen)  # the copy's start; its source ends before it
+            src = _randint(0, dst - L, gen)
+            row[dst:dst + L] = row[src:src + L].clone()
+
+
 def write_status(text):
     path = os.path.join(REPO, "STATUS")
     with open(path + ".tmp", "w") as f:
@@ -318,8 +362,23 @@ def write_status(text):
     os.replace(path + ".tmp", path)
 
 
+CHECKPOINT_EVERY = 50
+
+
+def checkpoint_path(name, cfg):
+    """Where training of ``name`` checkpoints; the name carries a hash of the configuration, so
+    a checkpoint of another recipe is never resumed."""
+    key = json.dumps({k: v for k, v in cfg.items() if not k.startswith("_")}, sort_keys=True)
+    digest = hashlib.sha256(key.encode()).hexdigest()[:12]
+    return os.path.join(REPO, ".cache", "lm-train", f"{name}-{digest}.pt")
+
+
 def train(name, cfg, log):
-    """Train one model; returns (model, final train loss in nats, seconds)."""
+    """Train one model; returns (model, final train loss in nats, seconds).
+
+    Every CHECKPOINT_EVERY steps the model, optimiser, data generator and losses are saved under
+    .cache/lm-train/ (atomically); a later run of the same recipe resumes from the last one, with
+    the same result as an uninterrupted run. The checkpoint is removed when training ends."""
     torch.manual_seed(cfg["seed"])
     model = LM(cfg)
     model.reset_parameters()
@@ -332,8 +391,24 @@ def train(name, cfg, log):
                             lr=cfg["lr"], betas=cfg["betas"])
     decoder = cfg["kind"] == lm_format.KIND_DECODER
     losses = []
-    t0 = time.time()
-    for step in range(cfg["steps"]):
+    first, spent = 0, 0.0
+    ckpt = checkpoint_path(name, cfg)
+    if os.path.exists(ckpt):
+        state = torch.load(ckpt)
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["opt"])
+        gen.set_state(state["gen"])
+        torch.set_rng_state(state["rng"])
+        losses, first, spent = state["losses"], state["step"], state["seconds"]
+        log(f"{name}: resumed from {ckpt} at step {first}")
+    t0 = time.time() - spent
+    for step in range(first, cfg["steps"]):
+        if step > first and step % CHECKPOINT_EVERY == 0:
+            os.makedirs(os.path.dirname(ckpt), exist_ok=True)
+            torch.save({"model": model.state_dict(), "opt": opt.state_dict(),
+                        "gen": gen.get_state(), "rng": torch.get_rng_state(), "losses": losses,
+                        "step": step, "seconds": time.time() - t0}, ckpt + ".tmp")
+            os.replace(ckpt + ".tmp", ckpt)
         for group in opt.param_groups:
             group["lr"] = lr_at(step, cfg)
         inp, target, masked = sample_batch(data, cfg, gen)
@@ -362,6 +437,8 @@ def train(name, cfg, log):
                 f"({(step + 1) * cfg['batch'] * cfg['context'] / elapsed:.0f} tok/s)")
     seconds = time.time() - t0
     final = sum(losses[-20:]) / len(losses[-20:])
+    if os.path.exists(ckpt):
+        os.remove(ckpt)
     return model, final, seconds
 
 
@@ -533,7 +610,7 @@ def run(name, args, train_bytes, heldout, heldout_sha, log):
     round_to_fp16(model)
     t0 = time.time()
     full, first4 = {}, {}
-    for C in EVAL_CONTEXTS:
+    for C in cfg.get("eval_contexts", EVAL_CONTEXTS):
         pairs = heldout_bits(model, heldout, C)
         full[str(C)], first4[str(C)] = bpb(pairs), bpb(pairs[:4])
         log(f"{name}: held-out bpb at {C}: {full[str(C)]:.5f} (first 4 windows "
@@ -545,7 +622,7 @@ def run(name, args, train_bytes, heldout, heldout_sha, log):
         "training": {k: cfg[k] for k in ("batch", "context", "lr", "min_lr_ratio", "betas",
                                          "weight_decay", "grad_clip", "init_std", "warmup",
                                          "attn_blocks") + (("mask_prob",) if
-                                                           name == "encoder" else ())},
+                                                           name == "encoder" else ("repeats",))},
         "tokens_per_step": cfg["batch"] * cfg["context"],
         "precision": "bf16 autocast (oneDNN) matmuls, float32 weights/softmax/norms/loss; "
                      "weights rounded to fp16 after training; references in float32",

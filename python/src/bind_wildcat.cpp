@@ -1,6 +1,9 @@
 // WildCat from Python: attention through MultiHead<WildcatAttention<S>>, and the compressed KV
-// cache (compress_kv, CompressedKV.append, weighted_attention) for one head.
+// cache (compress_kv, CompressedKV.append, weighted_attention) for one head; the KV-cache
+// presses (kv_press), which return the same cache type.
 #include "common.hpp"
+
+#include <effattn/kv_press.hpp>
 
 namespace effattn {
 namespace python {
@@ -76,6 +79,64 @@ PyCache compress_kv(const py::object& k, const py::object& v, double q_radius,
       py::gil_scoped_release release;
       // Row-major views become column-major Refs: K and V are copied once.
       *cache = f.compress_kv(K.map<S>(), V.map<S>(), q_radius);
+    }
+    if constexpr (std::is_same_v<S, float>)
+      c.f = cache;
+    else
+      c.d = cache;
+  };
+  if (dt == Dtype::F32)
+    run(TypeTag<float>{});
+  else
+    run(TypeTag<double>{});
+  return c;
+}
+
+PyCache kv_press_py(const py::object& k, const py::object& v, const std::string& press, double keep,
+                    Index rows, const py::object& q, const py::kwargs& kwargs) {
+  const std::string fn = "effattn.kv_press";
+  Kwargs kw(kwargs, press, fn);
+  KvPressOptions o;
+  try {
+    o.press = kv_press::from_name(press);
+  } catch (const effattn::invalid_argument& e) {
+    throw py::value_error(fn + ": " + e.what());
+  }
+  o.keep = keep;
+  o.rows = rows;
+  kw.get("sinks", o.sinks);
+  kw.get("observation", o.observation);
+  kw.get("pool", o.pool);
+  kw.get("causal", o.causal);
+  kw.get("query_heads", o.query_heads);
+  kw.get("scale", o.scale);
+  kw.get("seed", o.seed);
+  kw.get("q_radius", o.q_radius);
+  kw.get("block_size", o.block_size);
+  kw.finish();
+  const py::array ka = py::array::ensure(k), va = py::array::ensure(v);
+  if (!ka || !va) throw py::value_error(fn + ": k and v must be arrays");
+  const Dtype dt =
+      (ka.dtype().is(py::dtype::of<double>()) || va.dtype().is(py::dtype::of<double>()))
+          ? Dtype::F64
+          : Dtype::F32;
+  const View K = view_2d(ka, dt, "k", fn), V = view_2d(va, dt, "v", fn);
+  py::array qa;
+  if (!q.is_none()) {
+    qa = py::array::ensure(q);
+    if (!qa) throw py::value_error(fn + ": q must be an array or None");
+  }
+  PyCache c;
+  c.opts.scale = o.scale;  // weighted_attention must use the press's logit scale
+  auto run = [&](auto tag) {
+    using S = typename decltype(tag)::type;
+    const KvPress<S> press_fn(o);
+    auto cache = std::make_shared<CompressedKV<S>>();
+    Matrix<S> Qm(0, K.map<S>().cols());
+    if (qa) Qm = view_2d(qa, dt, "q", fn).map<S>();
+    {
+      py::gil_scoped_release release;
+      *cache = press_fn.compress(K.map<S>(), V.map<S>(), Qm);
     }
     if constexpr (std::is_same_v<S, float>)
       c.f = cache;
@@ -166,6 +227,12 @@ void bind_wildcat_cache(py::module_& m) {
           },
           "(r,) compressed softmax weights, log-scaled (a copy)")
       .def_property_readonly(
+          "log_scale",
+          [](const PyCache& c) {
+            return c.visit([](const auto& x) { return copy_out(x.log_scale); });
+          },
+          "(r,) per-row log-scales (0 for rows kept exactly)")
+      .def_property_readonly(
           "pivots",
           [](const PyCache& c) {
             return c.visit([](const auto& x) { return index_array(x.pivots); });
@@ -199,6 +266,16 @@ WildCat's CompressKV for one head: k (m, d), v (m, dv) -> a coreset cache of `ra
 (options as for attention(method="wildcat"): rank, bins, seed, scale, ...). q_radius bounds the
 norms of the queries that will attend (0: each bin's key radius). The options are stored with
 the cache and used by weighted_attention unless overridden there (scale must match).)doc");
+  m.def("kv_press", &kv_press_py, py::arg("k"), py::arg("v"), py::arg("press"),
+        py::arg("keep") = 0.0, py::arg("rows") = 0, py::arg("q") = py::none(),
+        R"doc(kv_press(k, v, press, keep=0.0, rows=0, q=None, **options) -> CompressedKV
+
+A KV-cache press of one key/value head: k (m, d), v (m, dv) -> a CompressedKV of at most
+`rows` rows (or round(keep m), keep in (0, 1]). press: 'drop', 'streaming', 'uniform', 'knorm',
+'snapkv', 'observed', 'wildcat' or 'vcc'. q (query_heads w, d): the prompt's last queries, read
+by snapkv, observed, vcc and wildcat. Options: sinks, observation, pool, causal, query_heads,
+scale, seed, q_radius, block_size (C++ KvPressOptions). Attend with weighted_attention; decode
+with CompressedKV.append.)doc");
   m.def("weighted_attention", &weighted_attention, py::arg("q"), py::arg("cache"),
         py::arg("check") = true,
         R"doc(weighted_attention(q, cache, check=True, **options) -> Result
