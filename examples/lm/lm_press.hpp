@@ -209,7 +209,7 @@ inline PressEvalResult press_evaluate(const Model& model, const std::vector<int>
                                         return Mat(exact.compute(q, k, v).output);
                                       });
     res.prefill_seconds += secs(t0);
-    for (Index t = 1; t < P; ++t) prompt_bits += bits_of(prompt_logits.row(t - 1), tok[t]);
+    for (Index t = 1; t < P; ++t) prompt_bits += bits_of(prompt_logits.row(t - 1), tok[static_cast<std::size_t>(t)]);
     res.prompt_bytes += P - 1;
     const double first_bits = bits_of(prompt_logits.row(P - 1), tok[static_cast<std::size_t>(P)]);
     res.unit_bytes.push_back(static_cast<double>(S));

@@ -8,8 +8,8 @@ Runs, unless their JSON is already in --out (or with --force):
   spans-C.json    `effattn-lm eval --press ALL --keep 0.05,0.1,0.25,0.5 --spans ...` on the
                   held-out split with repeated passages (data/heldout_repeats.txt, made by
                   make_repeats.py from data/heldout.txt), context C = the training context and 2x;
-  windows-C.json  the same without spans: windows of C bytes of data/heldout.txt, the last C / 8
-                  bytes of each scored;
+  windows-C.json  the same without spans: the first 16 windows of C bytes of data/heldout.txt,
+                  the last C / 8 bytes of each scored;
   decode-C-P.json `effattn-lm generate` from the last C - 64 bytes of the held-out text, 64
                   tokens, greedy, exact (P = exact) and every press at keep 0.1, in one sitting;
 and machine.txt (what they ran on). Then renders the tables between the markers
@@ -73,7 +73,8 @@ def measure(a):
         p = os.path.join(a.out, f"spans-{C}.json")
         run(base + ["--text", rep_text, "--spans", rep_spans, "--json", p], p, a.force)
         p = os.path.join(a.out, f"windows-{C}.json")
-        run(base + ["--text", heldout, "--recent", str(C // 8), "--json", p], p, a.force)
+        run(base + ["--text", heldout, "--recent", str(C // 8), "--windows", "16", "--json", p],
+            p, a.force)
     for C in (T, 2 * T):
         for press in ["exact"] + PRESSES:
             p = os.path.join(a.out, f"decode-{C}-{press}.json")
