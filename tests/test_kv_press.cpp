@@ -404,3 +404,25 @@ TEMPLATE_TEST_CASE("kv_press: bad options and inputs name the argument", "[kv_pr
   const KvPress<S> wild(with([](KvPressOptions& o) { o.press = kv_press::Kind::Wildcat; }));
   require_invalid_argument([&] { (void)wild.select(p.K, p.Qobs); }, "not a selection press");
 }
+
+TEMPLATE_TEST_CASE("kv_press: a pressed cache decodes with appended rows", "[kv_press]", float,
+                   double) {
+  using S = TestType;
+  const auto p = make_prompt<S>(200, 16, 20, 1, 19);
+  const Matrix<S> Kt = randn<S>(5, 16, 20), Vt = randn<S>(5, 16, 21);
+  for (const auto k : {kv_press::Kind::Drop, kv_press::Kind::SnapKv, kv_press::Kind::Vcc}) {
+    INFO(kv_press::name(k));
+    auto c = KvPress<S>(opts<S>(k, 0.1)).compress(p.K, p.V, p.Qobs);
+    const Index r = c.size();
+    c.append(Kt, Vt);
+    REQUIRE(c.size() == r + 5);
+    const auto res = weighted_attention(p.Qnew, c);
+    REQUIRE(res.info == Info::Success);
+    // Oracle: the cache's rows by the CompressedKV contract (appended rows exact).
+    CHECK(rel_fro_error(res.output, cache_attention(p.Qnew, c)) < (is_float<S>() ? 2e-6 : 1e-13));
+    if (k == kv_press::Kind::Drop) {
+      const Matrix<double> ref = loop_attention(p.Qnew, Kt, Vt, 0.25, false);
+      CHECK(rel_fro_error(res.output, ref) < (is_float<S>() ? 2e-6 : 1e-13));
+    }
+  }
+}

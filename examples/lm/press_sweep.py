@@ -10,8 +10,9 @@ Runs, unless their JSON is already in --out (or with --force):
                   make_repeats.py from data/heldout.txt), context C = the training context and 2x;
   windows-C.json  the same without spans: the first 16 windows of C bytes of data/heldout.txt,
                   the last C / 8 bytes of each scored;
-  decode-C-P.json `effattn-lm generate` from the last C - 64 bytes of the held-out text, 64
-                  tokens, greedy, exact (P = exact) and every press at keep 0.1, in one sitting;
+  decode-C-P.json `effattn-lm generate` from the last C - 128 bytes of the held-out text, 128
+                  tokens, greedy, exact (P = exact) and every press at keep 0.1, C = 1, 2 and 4
+                  times the training context, one after the other;
 and machine.txt (what they ran on). Then renders the tables between the markers
 <!-- kv-press-results:begin --> and <!-- kv-press-results:end --> of --doc, and the plot
 kv_press.png beside the JSON (needs python3-matplotlib; skipped without it).
@@ -75,11 +76,11 @@ def measure(a):
         p = os.path.join(a.out, f"windows-{C}.json")
         run(base + ["--text", heldout, "--recent", str(C // 8), "--windows", "16", "--json", p],
             p, a.force)
-    for C in (T, 2 * T):
+    for C in (T, 2 * T, 4 * T):
         for press in ["exact"] + PRESSES:
             p = os.path.join(a.out, f"decode-{C}-{press}.json")
-            cmd = [a.lm, "generate", "--prompt-file", heldout, "--prompt-bytes", str(C - 64),
-                   "--tokens", "64", "--temperature", "0", "--json", p]
+            cmd = [a.lm, "generate", "--prompt-file", heldout, "--prompt-bytes", str(C - 128),
+                   "--tokens", "128", "--temperature", "0", "--json", p]
             if press != "exact":
                 cmd += ["--press", press, "--keep", "0.1"]
             run(cmd, p, a.force)
@@ -115,12 +116,13 @@ def eval_table(res, title):
 
 
 def decode_table(out, T):
-    lines = ["| press (keep 10%) | " + " | ".join(f"context {C}" for C in (T, 2 * T)) + " |",
-             "|---|---|---|"]
-    base = {C: load(os.path.join(out, f"decode-{C}-exact.json")) for C in (T, 2 * T)}
+    Cs = (T, 2 * T, 4 * T)
+    lines = ["| press (keep 10%) | " + " | ".join(f"context {C}" for C in Cs) + " |",
+             "|---|" + "---|" * len(Cs)]
+    base = {C: load(os.path.join(out, f"decode-{C}-exact.json")) for C in Cs}
     for p in ["exact"] + PRESSES:
         cells = []
-        for C in (T, 2 * T):
+        for C in Cs:
             r = load(os.path.join(out, f"decode-{C}-{p}.json"))
             cells.append(f"{r['tokens_per_second']:.0f} tokens/s ({r['tokens_per_second'] / base[C]['tokens_per_second']:.2f}x)"
                          + (f", press {r['compress_seconds']:.2f} s" if p != "exact" else ""))
@@ -167,7 +169,7 @@ def render(a):
                                 f"Repeated passages, context {C}"))
         parts.append(eval_table(load(os.path.join(a.out, f"windows-{C}.json")),
                                 f"Held-out windows, context {C}, last {C // 8} bytes scored"))
-    parts.append("**Decoding** 64 tokens after a prompt of context - 64 held-out bytes (greedy, "
+    parts.append("**Decoding** 128 tokens after a prompt of context - 128 held-out bytes (greedy, "
                  "one sequence), tokens per second and speed-up over exact attention over the "
                  "full cache in the same sitting; the press's own time is not in the rate:\n\n" +
                  decode_table(a.out, T))

@@ -77,7 +77,8 @@ CompressedKV<Scalar> press_exact_rows(const ConstRef<Scalar>& K, const ConstRef<
 
 /// Fills the bookkeeping of a pressed cache of a prompt K, V: the value range of every prompt
 /// row (the clip), the token count, no tail, and one block (exact when every row is kept,
-/// otherwise without a certificate).
+/// otherwise without a certificate; also for an empty cache, whose appended rows
+/// `weighted_attention` then reads with the bound of a dropped prompt).
 template <typename Scalar>
 void press_finish(const ConstRef<Scalar>& K, const ConstRef<Scalar>& V, bool exact,
                   CompressedKV<Scalar>& c) {
@@ -87,7 +88,6 @@ void press_finish(const ConstRef<Scalar>& K, const ConstRef<Scalar>& V, bool exa
   c.tokens = m;
   c.tail_begin = r;
   c.blocks.clear();
-  if (r == 0) return;
   WildcatBlock b;
   b.row_begin = 0;
   b.rows = r;
