@@ -180,8 +180,12 @@ inline GenerateResult generate(const Model& model, const std::vector<int>& promp
   // Row-major caches, one region of Tmax rows per sequence: a token appends one contiguous
   // row, and MultiHead's decoding kernel streams row-major K and V without GEMM packing.
   using RowMat = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
-  // WildCat and the presses decode against compressed caches.
-  const bool wc = opt.method == "wildcat" || pressed;
+  // Selection presses (every kept row a plain key / value) decode like exact attention, over a
+  // compacted row-major cache; WildCat and the presses whose rows stand for several keys (vcc,
+  // wildcat: log-scales, weights) decode against CompressedKV through weighted_attention.
+  const bool selection = pressed && opt.press != "wildcat" && opt.press != "vcc";
+  const bool wc = opt.method == "wildcat" || (pressed && !selection);
+  const bool one_region = wc || pressed;  // the prefill's cache is pressed before decoding
   std::vector<RowMat> Kc(static_cast<std::size_t>(c.layers)), Vc(Kc.size());
   std::vector<Mat> Qp(pressed ? Kc.size() : 0);  // the prompt's queries, for query-guided presses
   std::optional<KvPressf> press;
@@ -199,19 +203,17 @@ inline GenerateResult generate(const Model& model, const std::vector<int>& promp
   const MultiHead<ExactAttentionf> exact(eo, layout);
   // Decoding: one query per sequence against its region's first pos + 1 rows (seqused_k).
   const MultiHead<ExactAttentionf> decode(ExactOptions{}, layout);
+  // Sequence b's cache region: rows [b Tcap, (b + 1) Tcap), the first r0 from the prompt.
+  Index r0 = T0, Tcap = Tmax;
   SeqOffsets cu_q(static_cast<std::size_t>(B + 1)), regions(cu_q.size());
-  for (Index b = 0; b <= B; ++b) {
-    cu_q[static_cast<std::size_t>(b)] = b;
-    regions[static_cast<std::size_t>(b)] = b * Tmax;
-  }
   const auto t0 = clock::now();
   res.prompt_logits =
       forward(model, prompt, [&](Index l, const Mat& q, const Mat& k, const Mat& v) {
         RowMat& K = Kc[static_cast<std::size_t>(l)];
         RowMat& V = Vc[static_cast<std::size_t>(l)];
-        K.setZero(wc ? T0 : B * Tmax, G * hd);
+        K.setZero(one_region ? T0 : B * Tmax, G * hd);
         V.setZero(K.rows(), G * hd);
-        for (Index b = 0; b < (wc ? 1 : B); ++b) {
+        for (Index b = 0; b < (one_region ? 1 : B); ++b) {
           K.middleRows(b * Tmax, T0) = k;
           V.middleRows(b * Tmax, T0) = v;
         }
@@ -251,10 +253,25 @@ inline GenerateResult generate(const Model& model, const std::vector<int>& promp
         const auto one = press->compress(K.middleCols(g * hd, hd), V.middleCols(g * hd, hd), Qg);
         for (Index b = 0; b < B; ++b) all.at(b, g) = one;
       }
+      Qp[static_cast<std::size_t>(l)].resize(0, 0);
+      if (selection) {
+        // The kept rows (as many for every kv head) at the start of each sequence's region.
+        r0 = all.at(0, 0).size();
+        Tcap = r0 + N;
+        RowMat& Kl = Kc[static_cast<std::size_t>(l)];
+        RowMat& Vl = Vc[static_cast<std::size_t>(l)];
+        Kl.setZero(B * Tcap, G * hd);
+        Vl.setZero(B * Tcap, G * hd);
+        for (Index b = 0; b < B; ++b)
+          for (Index g = 0; g < G; ++g) {
+            Kl.block(b * Tcap, g * hd, r0, hd) = all.at(b, g).keys;
+            Vl.block(b * Tcap, g * hd, r0, hd) = all.at(b, g).values;
+          }
+        continue;
+      }
       caches.push_back(std::move(all));
       Kc[static_cast<std::size_t>(l)].resize(0, 0);
       Vc[static_cast<std::size_t>(l)].resize(0, 0);
-      Qp[static_cast<std::size_t>(l)].resize(0, 0);
     }
     res.compress_seconds = std::chrono::duration<double>(clock::now() - t1).count();
   } else if (wc) {
@@ -275,6 +292,10 @@ inline GenerateResult generate(const Model& model, const std::vector<int>& promp
       Kc[static_cast<std::size_t>(l)].resize(0, 0);  // the prompt's exact keys are not needed
       Vc[static_cast<std::size_t>(l)].resize(0, 0);
     }
+  }
+  for (Index b = 0; b <= B; ++b) {
+    cu_q[static_cast<std::size_t>(b)] = b;
+    regions[static_cast<std::size_t>(b)] = b * Tcap;
   }
   Rope rope;
   rope.build(Tmax, hd, c.rope_base);
@@ -313,10 +334,10 @@ inline GenerateResult generate(const Model& model, const std::vector<int>& promp
         RowMat& K = Kc[static_cast<std::size_t>(l)];
         RowMat& V = Vc[static_cast<std::size_t>(l)];
         for (Index b = 0; b < B; ++b) {
-          K.row(b * Tmax + pos) = k.row(b);
-          V.row(b * Tmax + pos) = v.row(b);
+          K.row(b * Tcap + r0 + i) = k.row(b);
+          V.row(b * Tcap + r0 + i) = v.row(b);
         }
-        const std::vector<Index> used(static_cast<std::size_t>(B), pos + 1);
+        const std::vector<Index> used(static_cast<std::size_t>(B), r0 + i + 1);
         a = decode.compute(q, K, V, cu_q, regions, used).output;
       } else {
         auto& cache = caches[static_cast<std::size_t>(l)];
@@ -341,7 +362,7 @@ inline GenerateResult generate(const Model& model, const std::vector<int>& promp
   }
   res.decode_seconds =
       std::chrono::duration<double>(clock::now() - t1).count() - res.compress_seconds;
-  if (!wc) res.cache_rows = Tmax;
+  if (!wc) res.cache_rows = r0 + N;
   return res;
 }
 
