@@ -121,8 +121,9 @@ PyCache kv_press_py(const py::object& k, const py::object& v, const std::string&
           ? Dtype::F64
           : Dtype::F32;
   const View K = view_2d(ka, dt, "k", fn), V = view_2d(va, dt, "v", fn);
+  const bool has_q = !q.is_none();
   py::array qa;
-  if (!q.is_none()) {
+  if (has_q) {
     qa = py::array::ensure(q);
     if (!qa) throw py::value_error(fn + ": q must be an array or None");
   }
@@ -133,7 +134,7 @@ PyCache kv_press_py(const py::object& k, const py::object& v, const std::string&
     const KvPress<S> press_fn(o);
     auto cache = std::make_shared<CompressedKV<S>>();
     Matrix<S> Qm(0, K.map<S>().cols());
-    if (qa) Qm = view_2d(qa, dt, "q", fn).map<S>();
+    if (has_q) Qm = view_2d(qa, dt, "q", fn).map<S>();
     {
       py::gil_scoped_release release;
       *cache = press_fn.compress(K.map<S>(), V.map<S>(), Qm);
