@@ -58,38 +58,61 @@ py::array copy_out(const Vector<double>& m) {
   return own_matrix(Vector<double>(m));
 }
 
-PyCache compress_kv(const py::object& k, const py::object& v, double q_radius,
-                    const py::kwargs& kwargs) {
-  const std::string fn = "effattn.compress_kv";
-  Kwargs kw(kwargs, "wildcat", fn);
+/// The prompt of a cache from Python: k (m, d) and v (m, dv) viewed in one dtype (float64 when
+/// either is, float32 otherwise).
+struct KvInput {
+  Dtype dtype;
+  View K, V;
+};
+KvInput kv_input(const py::object& k, const py::object& v, const std::string& fn) {
   const py::array ka = py::array::ensure(k), va = py::array::ensure(v);
   if (!ka || !va) throw py::value_error(fn + ": k and v must be arrays");
   const Dtype dt =
       (ka.dtype().is(py::dtype::of<double>()) || va.dtype().is(py::dtype::of<double>()))
           ? Dtype::F64
           : Dtype::F32;
-  const View K = view_2d(ka, dt, "k", fn), V = view_2d(va, dt, "v", fn);
+  return {dt, view_2d(ka, dt, "k", fn), view_2d(va, dt, "v", fn)};
+}
+
+/// A cache of `dtype` filled by `fill(cache)` (a generic lambda over CompressedKV<S>), run with
+/// the GIL released; `opts` are kept for weighted_attention.
+template <typename Fill>
+PyCache make_cache(Dtype dtype, const WildcatOptions& opts, Fill&& fill) {
   PyCache c;
-  c.opts = wildcat_options(kw);
+  c.opts = opts;
   auto run = [&](auto tag) {
     using S = typename decltype(tag)::type;
-    const WildcatAttention<S> f(c.opts);
     auto cache = std::make_shared<CompressedKV<S>>();
     {
       py::gil_scoped_release release;
-      // Row-major views become column-major Refs: K and V are copied once.
-      *cache = f.compress_kv(K.map<S>(), V.map<S>(), q_radius);
+      fill(*cache);
     }
     if constexpr (std::is_same_v<S, float>)
       c.f = cache;
     else
       c.d = cache;
   };
-  if (dt == Dtype::F32)
+  if (dtype == Dtype::F32)
     run(TypeTag<float>{});
   else
     run(TypeTag<double>{});
   return c;
+}
+
+template <typename Cache>
+using CacheScalar = typename std::decay_t<decltype(std::declval<Cache&>().keys)>::Scalar;
+
+PyCache compress_kv(const py::object& k, const py::object& v, double q_radius,
+                    const py::kwargs& kwargs) {
+  const std::string fn = "effattn.compress_kv";
+  Kwargs kw(kwargs, "wildcat", fn);
+  const KvInput in = kv_input(k, v, fn);
+  const WildcatOptions o = wildcat_options(kw);
+  return make_cache(in.dtype, o, [&](auto& cache) {
+    using S = CacheScalar<decltype(cache)>;
+    // Row-major views become column-major Refs: K and V are copied once.
+    cache = WildcatAttention<S>(o).compress_kv(in.K.map<S>(), in.V.map<S>(), q_radius);
+  });
 }
 
 PyCache kv_press_py(const py::object& k, const py::object& v, const std::string& press, double keep,
@@ -97,11 +120,7 @@ PyCache kv_press_py(const py::object& k, const py::object& v, const std::string&
   const std::string fn = "effattn.kv_press";
   Kwargs kw(kwargs, press, fn);
   KvPressOptions o;
-  try {
-    o.press = kv_press::from_name(press);
-  } catch (const effattn::invalid_argument& e) {
-    throw py::value_error(fn + ": " + e.what());
-  }
+  o.press = kv_press::from_name(press);  // invalid_argument -> ValueError (module translator)
   o.keep = keep;
   o.rows = rows;
   kw.get("sinks", o.sinks);
@@ -114,41 +133,22 @@ PyCache kv_press_py(const py::object& k, const py::object& v, const std::string&
   kw.get("q_radius", o.q_radius);
   kw.get("block_size", o.block_size);
   kw.finish();
-  const py::array ka = py::array::ensure(k), va = py::array::ensure(v);
-  if (!ka || !va) throw py::value_error(fn + ": k and v must be arrays");
-  const Dtype dt =
-      (ka.dtype().is(py::dtype::of<double>()) || va.dtype().is(py::dtype::of<double>()))
-          ? Dtype::F64
-          : Dtype::F32;
-  const View K = view_2d(ka, dt, "k", fn), V = view_2d(va, dt, "v", fn);
+  const KvInput in = kv_input(k, v, fn);
   const bool has_q = !q.is_none();
   py::array qa;
   if (has_q) {
     qa = py::array::ensure(q);
     if (!qa) throw py::value_error(fn + ": q must be an array or None");
   }
-  PyCache c;
-  c.opts.scale = o.scale;  // weighted_attention must use the press's logit scale
-  auto run = [&](auto tag) {
-    using S = typename decltype(tag)::type;
-    const KvPress<S> press_fn(o);
-    auto cache = std::make_shared<CompressedKV<S>>();
-    Matrix<S> Qm(0, K.map<S>().cols());
-    if (has_q) Qm = view_2d(qa, dt, "q", fn).map<S>();
-    {
-      py::gil_scoped_release release;
-      *cache = press_fn.compress(K.map<S>(), V.map<S>(), Qm);
-    }
-    if constexpr (std::is_same_v<S, float>)
-      c.f = cache;
-    else
-      c.d = cache;
+  const View Q = has_q ? view_2d(qa, in.dtype, "q", fn) : in.K;  // in.K: unused stand-in
+  WildcatOptions wo;
+  wo.scale = o.scale;  // weighted_attention must use the press's logit scale
+  const auto run = [&](auto& cache) {
+    using S = CacheScalar<decltype(cache)>;
+    const Matrix<S> Qm = has_q ? Matrix<S>(Q.map<S>()) : Matrix<S>(0, in.K.map<S>().cols());
+    cache = KvPress<S>(o).compress(in.K.map<S>(), in.V.map<S>(), Qm);
   };
-  if (dt == Dtype::F32)
-    run(TypeTag<float>{});
-  else
-    run(TypeTag<double>{});
-  return c;
+  return make_cache(in.dtype, wo, run);
 }
 
 PyResult weighted_attention(const py::object& q, const PyCache& cache, bool check,
