@@ -5,7 +5,9 @@
 //
 //   compress/<press>/keep<pct>/<m>   counters: rows (cache rows), rel_error (the decoding step's
 //                                    output against exact attention over the full cache)
-//   decode/<press>/keep<pct>/<m>     one step over the pressed cache
+//   decode/<press>/keep<pct>/<m>     one step over the pressed cache (weighted_attention)
+//   decode-rows/<press>/keep<pct>/<m> one step of exact attention over the rows a selection press
+//                                    kept (how effattn-lm decodes with those presses)
 //   decode/exact/<m>                 one step over the full cache (ExactAttention, decoding form)
 //   .../smoke/...                    the same at m = 512 (ctest)
 //
@@ -102,6 +104,26 @@ void bm_decode(benchmark::State& state, kv_press::Kind k, double keep, Index m) 
       .seconds = sec;
 }
 
+/// One decoding step with exact attention over the rows a selection press kept (weight 1,
+/// log-scale 0: plain keys and values), as effattn-lm decodes with those presses.
+void bm_decode_rows(benchmark::State& state, kv_press::Kind k, double keep, Index m) {
+  const Prompt& p = prompt(m);
+  const KvPress<float> press(press_options(k, keep));
+  const CompressedKV<float> c = press.compress(p.K, p.V, press_queries(p, press, m));
+  Matrix<float> K(c.size() + 1, kD), V(c.size() + 1, kD);
+  K << c.keys, p.K.bottomRows(1);
+  V << c.values, p.V.bottomRows(1);
+  const ExactAttentionf exact;
+  const double sec = bench::timed_loop(state, [&] {
+    auto r = exact.compute(p.Qnew, K, V);
+    benchmark::DoNotOptimize(r.output.data());
+  });
+  state.counters["rows"] = static_cast<double>(K.rows());
+  g_decode[std::string(kv_press::name(k)) + "/keep" + std::to_string(std::lround(keep * 100)) +
+           " (exact kernel)"][m]
+      .seconds = sec;
+}
+
 void bm_decode_exact(benchmark::State& state, Index m) {
   const Prompt& p = prompt(m);
   const ExactAttentionf exact;
@@ -126,6 +148,9 @@ void register_all() {
             ->Unit(benchmark::kMillisecond);
         benchmark::RegisterBenchmark(("decode/" + name).c_str(), bm_decode, k, keep, m)
             ->Unit(benchmark::kMicrosecond);
+        if (k != kv_press::Kind::Wildcat && k != kv_press::Kind::Vcc && k != kv_press::Kind::Drop)
+          benchmark::RegisterBenchmark(("decode-rows/" + name).c_str(), bm_decode_rows, k, keep, m)
+              ->Unit(benchmark::kMicrosecond);
       }
   };
   add("smoke/", 512);
