@@ -335,8 +335,8 @@ namespace {
 //   decoder L1H0 (causal): Conv-Basis (k = 16) 1.19 (the logits of this head are not close to a
 //     function of i - j), EVA 0.296;
 //   encoder L1H0: EVA 0.531, Performer (64 features) 1.07, WildCat (r = 256) 0.205, KEP-SVGP
-//     (s = 10) 0.960 since its default range finder has no power iteration (power_iters 2 -> 0,
-//     issue 21: 2.9x instead of 6x exact's time; 0.887 at power_iters = 2, which the test below
+//     (s = 10) 0.960 since its default range finder has no power iteration (power_iters 0 runs in
+//     2.9x instead of 6x exact's time; 0.887 at power_iters = 2, which the test below
 //     the loop holds to 0.94); VCC's default budget is >= n = 512, exact to round-off (5.6e-7 of
 //     the baseline in float), held to 2e-5 of it.
 double real_head_fraction(const std::string& method, bool causal) {
@@ -399,7 +399,7 @@ TEMPLATE_TEST_CASE("lm: every method at its defaults on real heads", "[lm][confo
       }
     });
     if (!h.causal) {
-      // KEP-SVGP with two power iterations (the default before issue 21): measured 0.887 of the
+      // KEP-SVGP with two power iterations (an earlier default): measured 0.887 of the
       // uniform baseline, held to min(1.5 f, (1 + f) / 2) = 0.94 of it.
       effattn::KepSvgpOptions ko;
       ko.power_iters = 2;
