@@ -59,13 +59,10 @@ KvPressOptions press_options(kv_press::Kind k, double keep) {
   return o;
 }
 
-/// The queries a press reads (as effattn-lm passes them): every prompt query for observed and
-/// wildcat, the observation window for snapkv and vcc, none otherwise.
+/// The queries a press reads (KvPress::queries_read), the two heads stacked, as effattn-lm
+/// passes them.
 Matrix<float> press_queries(const Prompt& p, const KvPress<float>& press, Index m) {
-  const kv_press::Kind k = press.options().press;
-  const Index w = k == kv_press::Kind::Observed || k == kv_press::Kind::Wildcat
-                      ? m
-                      : (kv_press::uses_queries(k) ? std::min(press.options().observation, m) : 0);
+  const Index w = press.queries_read(m);
   Matrix<float> Q(kGroup * w, kD);
   for (Index h = 0; h < kGroup; ++h) Q.middleRows(h * w, w) = p.Qp.middleRows(h * m + m - w, w);
   return Q;

@@ -209,7 +209,8 @@ inline PressEvalResult press_evaluate(const Model& model, const std::vector<int>
                                         return Mat(exact.compute(q, k, v).output);
                                       });
     res.prefill_seconds += secs(t0);
-    for (Index t = 1; t < P; ++t) prompt_bits += bits_of(prompt_logits.row(t - 1), tok[static_cast<std::size_t>(t)]);
+    for (Index t = 1; t < P; ++t)
+      prompt_bits += bits_of(prompt_logits.row(t - 1), tok[static_cast<std::size_t>(t)]);
     res.prompt_bytes += P - 1;
     const double first_bits = bits_of(prompt_logits.row(P - 1), tok[static_cast<std::size_t>(P)]);
     res.unit_bytes.push_back(static_cast<double>(S));
@@ -233,14 +234,8 @@ inline PressEvalResult press_evaluate(const Model& model, const std::vector<int>
             ck.log_scale = Vec::Zero(P);
           } else {
             const KvPress<float>& press = presses[static_cast<std::size_t>(pi)];
-            // The queries a press reads: the group's query heads stacked; all prompt queries
-            // for observed and wildcat (its radius), the observation window for the others.
-            const kv_press::Kind kind = press.options().press;
-            Index w = 0;
-            if (kind == kv_press::Kind::Observed || kind == kv_press::Kind::Wildcat)
-              w = P;
-            else if (kv_press::uses_queries(kind))
-              w = std::min(press.options().observation, P);
+            // The queries a press reads, the group's query heads stacked.
+            const Index w = press.queries_read(P);
             Mat Qg(w * group, hd);
             for (Index j = 0; j < group; ++j)
               Qg.middleRows(j * w, w) = Q.block(P - w, (g * group + j) * hd, w, hd);

@@ -234,11 +234,7 @@ inline GenerateResult generate(const Model& model, const std::vector<int>& promp
     // prompt queries: all of them for observed and wildcat, the observation window otherwise),
     // then copied to every sequence.
     const Index group = H / G;
-    const kv_press::Kind kind = press->options().press;
-    const Index w = kind == kv_press::Kind::Observed || kind == kv_press::Kind::Wildcat
-                        ? T0
-                        : (kv_press::uses_queries(kind) ? std::min(press->options().observation, T0)
-                                                        : Index(0));
+    const Index w = press->queries_read(T0);
     for (Index l = 0; l < c.layers; ++l) {
       const Mat K = Kc[static_cast<std::size_t>(l)], V = Vc[static_cast<std::size_t>(l)];
       const Mat& Q = Qp[static_cast<std::size_t>(l)];

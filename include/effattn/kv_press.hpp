@@ -155,6 +155,15 @@ class KvPress {
   /// The budget in rows for a prompt of m rows (min(m, rows) or clamp(round(keep m), 1, m)).
   Index budget(Index m) const;
 
+  /// The prompt queries per head this press reads from a prompt of m rows (the last ones): all
+  /// m for observed and wildcat (its query radius), `observation` for snapkv and vcc, none for
+  /// the others. What a caller passes as each head block of Q.
+  Index queries_read(Index m) const {
+    const kv_press::Kind k = m_opts.press;
+    if (k == kv_press::Kind::Observed || k == kv_press::Kind::Wildcat) return m;
+    return kv_press::uses_queries(k) ? std::min(m_opts.observation, m) : Index(0);
+  }
+
   /// Compresses the prompt K (m x d), V (m x dv). Q (query_heads w x d, may be empty) holds the
   /// queries the query-guided presses read (see `KvPressOptions::query_heads`, `causal`):
   /// snapkv and observed need at least one query row per head; vcc without queries partitions
