@@ -25,7 +25,7 @@ EFFATTN_PACKAGES=(cmake g++ make pkg-config libeigen3-dev libfftw3-dev catch2 li
 # does not need it).
 EFFATTN_MPI_PACKAGES=(libopenmpi-dev openmpi-bin)
 # The Python module (EFFATTN_BUILD_PYTHON, presets python and ci-python) and its tests.
-EFFATTN_PYTHON_PACKAGES=(pybind11-dev python3-pybind11 python3-numpy python3-pytest)
+EFFATTN_PYTHON_PACKAGES=(pybind11-dev python3-pybind11 python3-numpy python3-pytest python3-pip python3-venv)
 # The asan and tsan presets' compiler (clang: it builds the Eigen-heavy tests under ASan + UBSan in
 # about half the CPU time of g++), its sanitizer runtimes and OpenMP runtime; the fuzz targets use
 # them too.

@@ -61,6 +61,8 @@ enum class OutKind {
   Varlen       ///< (T, H, dv)
 };
 
+struct GradState;
+
 /// A call reduced to one MultiHead::compute: Q, K, V views, the head layout, the offsets and
 /// how to present the output and the per-head results.
 struct Packed {
@@ -74,6 +76,28 @@ struct Packed {
   SeqOffsets user_cu_q;       ///< varlen: the user's offsets (for lse as (H, T))
   bool per_head = false;      ///< sdpa: return per-(b, h) Results (non-exact methods)
   bool stacked = false;       ///< GQA heads stacked as rows (exact, non-causal)
+  /// sdpa(keep_state=True): where run_packed leaves the forward state for a later backward
+  /// (nullptr: nothing is kept).
+  std::shared_ptr<GradState>* keep = nullptr;
+};
+
+/// The state of one sdpa forward kept for its backward (effattn.torch): the packed inputs (their
+/// owners keep the caller's arrays alive), the functor and its MultiHead result. The output array
+/// Python sees is a view of the result's output, which the backward reads as well.
+struct GradState {
+  GradState(Packed p_, std::string method_) : p(std::move(p_)), method(std::move(method_)) {
+    p.keep = nullptr;
+  }
+  virtual ~GradState() = default;
+  GradState(const GradState&) = delete;
+  GradState& operator=(const GradState&) = delete;
+  /// Whether the method has a backward (the others raise ValueError in `backward`).
+  virtual bool has_backward() const = 0;
+  /// (dq, dk, dv) in the inputs' shapes, from dO in the output's packed layout.
+  virtual py::tuple backward(const View& dO) const = 0;
+
+  Packed p;
+  std::string method;
 };
 
 /// The Python `effattn.Result`.
@@ -323,13 +347,56 @@ void convert_heads(MR& r, const Packed& p, PyResult& out) {
   }
 }
 
-/// Runs MultiHead<F>(o, p.layout) on p; fills the output, info, diagnostics and extras.
+template <typename F>
+py::tuple packed_gradients(const Packed& p,
+                           MultiHeadGradients<typename F::Scalar, Eigen::RowMajor>&& g);
+
+/// GradState of functor F: MultiHead<F> and its result.
+template <typename F>
+struct GradStateOf final : GradState {
+  using S = typename F::Scalar;
+  GradStateOf(const Packed& p_, const typename F::Options& o, const std::string& method_)
+      : GradState(p_, method_), mh(o, p_.layout) {}
+
+  bool has_backward() const override { return detail::has_backward<F>::value; }
+
+  py::tuple backward(const View& dO) const override {
+    if constexpr (detail::has_backward<F>::value) {
+      const RowMap<S> Q = p.q.map<S>(), K = p.k.map<S>(), V = p.v.map<S>(), G = dO.map<S>();
+      MultiHeadGradients<S, Eigen::RowMajor> g;
+      {
+        py::gil_scoped_release release;
+        g = mh.backward(Q, K, V, r, G, p.cu_q, p.cu_k);
+      }
+      return packed_gradients<F>(p, std::move(g));
+    } else {
+      (void)dO;
+      throw py::value_error("effattn: method '" + method +
+                            "' has no backward (gradients exist for exact, conv_basis, eva and "
+                            "performer)");
+    }
+  }
+
+  const MultiHead<F> mh;
+  MultiHeadResult<F, Eigen::RowMajor> r;
+};
+
+/// Runs MultiHead<F>(o, p.layout) on p; fills the output, info, diagnostics and extras. With
+/// p.keep, the functor and its result stay alive in a GradState stored there, and the output
+/// array is a view of the result's output (no copy).
 template <typename F>
 PyResult run_packed(const Packed& p, const typename F::Options& o, const std::string& method) {
   using S = typename F::Scalar;
-  const MultiHead<F> mh(o, p.layout);
+  std::shared_ptr<GradStateOf<F>> st;
+  std::unique_ptr<MultiHead<F>> own;
+  if (p.keep)
+    st = std::make_shared<GradStateOf<F>>(p, o, method);
+  else
+    own = std::make_unique<MultiHead<F>>(o, p.layout);
+  const MultiHead<F>& mh = st ? st->mh : *own;
   const RowMap<S> Q = p.q.map<S>(), K = p.k.map<S>(), V = p.v.map<S>();
-  MultiHeadResult<F, Eigen::RowMajor> r;
+  MultiHeadResult<F, Eigen::RowMajor> local;
+  MultiHeadResult<F, Eigen::RowMajor>& r = st ? st->r : local;
   double seconds = 0;
   {
     py::gil_scoped_release release;
@@ -346,21 +413,29 @@ PyResult run_packed(const Packed& p, const typename F::Options& o, const std::st
   if (p.out != OutKind::Matrix)
     for (const Diagnostic& d : r.diagnostics()) out.diagnostics[d.name] = d.value;
   const Index rows = r.output.rows();
+  std::vector<py::ssize_t> shape, strides;
   switch (p.out) {
     case OutKind::Matrix:
-      out.output = own_view<S>(std::move(r.output), {rows, dv}, {dv, 1});
+      shape = {rows, dv}, strides = {dv, 1};
       break;
     case OutKind::Contiguous:
-      out.output =
-          own_view<S>(std::move(r.output), {p.B, p.H, p.L, dv}, {p.H * p.L * dv, p.L * dv, dv, 1});
+      shape = {p.B, p.H, p.L, dv}, strides = {p.H * p.L * dv, p.L * dv, dv, 1};
       break;
     case OutKind::Packed:
-      out.output =
-          own_view<S>(std::move(r.output), {p.B, p.H, p.L, dv}, {p.L * p.H * dv, dv, p.H * dv, 1});
+      shape = {p.B, p.H, p.L, dv}, strides = {p.L * p.H * dv, dv, p.H * dv, 1};
       break;
     case OutKind::Varlen:
-      out.output = own_view<S>(std::move(r.output), {rows, p.H, dv}, {p.H * dv, dv, 1});
+      shape = {rows, p.H, dv}, strides = {p.H * dv, dv, 1};
       break;
+  }
+  if (st) {  // a view of the kept result's output, owning a reference to the state
+    for (auto& x : strides) x *= static_cast<py::ssize_t>(sizeof(S));
+    auto* holder = new std::shared_ptr<GradState>(st);
+    py::capsule owner(holder, [](void* x) { delete static_cast<std::shared_ptr<GradState>*>(x); });
+    out.output = py::array_t<S>(shape, strides, r.output.data(), owner);
+    *p.keep = st;
+  } else {
+    out.output = own_view<S>(std::move(r.output), shape, strides);
   }
   py::dict copies;
   copies["q"] = p.q.copied;
@@ -426,6 +501,18 @@ py::array shape_gradient(RowMatrix<S>&& g, const Packed& p, Index X, Index len) 
   return own_view<S>(std::move(g), {rows, cols}, {cols, 1});
 }
 
+/// The gradients of MultiHead<F>::backward in the shapes of the inputs they belong to.
+template <typename F>
+py::tuple packed_gradients(const Packed& p,
+                           MultiHeadGradients<typename F::Scalar, Eigen::RowMajor>&& g) {
+  using S = typename F::Scalar;
+  const bool varlen = p.out == OutKind::Varlen;
+  const Index Hq = varlen ? p.layout.heads : p.H, Hk = varlen ? p.layout.kv_heads : p.G;
+  return py::make_tuple(shape_gradient<S>(std::move(g.dQ), p, Hq, p.L),
+                        shape_gradient<S>(std::move(g.dK), p, Hk, p.S),
+                        shape_gradient<S>(std::move(g.dV), p, Hk, p.S));
+}
+
 /// MultiHead<F>(o, p.layout): forward, then backward with dO; the gradients in the inputs' shapes.
 template <typename F>
 py::tuple run_packed_backward(const Packed& p, const typename F::Options& o, const View& dO,
@@ -444,11 +531,7 @@ py::tuple run_packed_backward(const Packed& p, const typename F::Options& o, con
   if (info != Info::Success)
     throw floating_point_error(fn + ": the forward pass failed numerically (info " +
                                to_string(info) + ")");
-  const bool varlen = p.out == OutKind::Varlen;
-  const Index Hq = varlen ? p.layout.heads : p.H, Hk = varlen ? p.layout.kv_heads : p.G;
-  return py::make_tuple(shape_gradient<S>(std::move(g.dQ), p, Hq, p.L),
-                        shape_gradient<S>(std::move(g.dK), p, Hk, p.S),
-                        shape_gradient<S>(std::move(g.dV), p, Hk, p.S));
+  return packed_gradients<F>(p, std::move(g));
 }
 
 /// Registers CompressedKV, compress_kv and weighted_attention.

@@ -355,16 +355,54 @@ Packed pack_sdpa(const py::array& qa, const py::array& ka, const py::array& va, 
 
 PyResult sdpa(const py::object& q, const py::object& k, const py::object& v, bool is_causal,
               const std::string& method, const py::object& cu_seqlens_q,
-              const py::object& cu_seqlens_k, bool check, const py::kwargs& kwargs) {
+              const py::object& cu_seqlens_k, bool check, bool keep_state,
+              const py::kwargs& kwargs) {
   const std::string fn = "effattn.sdpa";
   const py::array qa = as_array(q, "q", fn), ka = as_array(k, "k", fn), va = as_array(v, "v", fn);
   Kwargs kw(kwargs, method, fn);
   const Runner run = find_method(method, fn);
   bool causal = is_causal;
-  const Packed p = pack_sdpa(qa, ka, va, causal, method, cu_seqlens_q, cu_seqlens_k, fn);
+  Packed p = pack_sdpa(qa, ka, va, causal, method, cu_seqlens_q, cu_seqlens_k, fn);
+  std::shared_ptr<GradState> state;
+  if (keep_state) {
+    p.keep = &state;
+    p.per_head = false;  // the per-head Results stay in the state, untouched
+  }
   PyResult r = run(p, kw, causal);
   check_info(r, check, fn);
+  if (keep_state) r.extras["state"] = state ? py::cast(state) : py::none();
   return r;
+}
+
+/// grad_output (the output's shape) in the packed layout of the state's forward.
+View grad_view(const GradState& st, const py::object& grad_output) {
+  const std::string fn = "effattn.GradState.backward";
+  const Packed& p = st.p;
+  const py::array g = as_array(grad_output, "grad_output", fn);
+  const Index dv = p.layout.kv_heads > 0 ? p.v.cols / p.layout.kv_heads : p.v.cols;
+  std::vector<Index> want;
+  if (p.out == OutKind::Varlen)
+    want = {p.q.rows, p.H, dv};
+  else
+    want = {p.B, p.H, p.L, dv};
+  bool ok = g.ndim() == static_cast<py::ssize_t>(want.size());
+  for (std::size_t i = 0; ok && i < want.size(); ++i)
+    ok = g.shape(static_cast<py::ssize_t>(i)) == want[i];
+  if (!ok) {
+    std::string w;
+    for (Index x : want) w += (w.empty() ? "" : ", ") + std::to_string(x);
+    throw py::value_error(fn + ": grad_output must have the output's shape (" + w + "); got " +
+                          shape_str(g));
+  }
+  if (p.out == OutKind::Varlen) {
+    View vw;
+    if (is_dtype(g, p.dtype) && packed_view(g, {0}, 1, vw)) return vw;
+    py::array c = numpy().attr("ascontiguousarray")(g, numpy_dtype(p.dtype));
+    if (!packed_view(c, {0}, 1, vw)) throw std::logic_error("effattn: could not view grad_output");
+    vw.copied = true;
+    return vw;
+  }
+  return view_4d(g, p.dtype, p.out == OutKind::Packed, "grad_output");
 }
 
 py::tuple sdpa_backward(const py::object& q, const py::object& k, const py::object& v,
@@ -455,7 +493,7 @@ View view_2d(const py::array& a, Dtype d, const char* name, const std::string& f
 
 namespace ep = effattn::python;
 
-PYBIND11_MODULE(effattn, m) {
+PYBIND11_MODULE(_effattn, m) {
   namespace py = pybind11;
   using namespace effattn::python;
   m.doc() =
@@ -563,11 +601,30 @@ check:   raise FloatingPointError when info != 'Success' (False: return the Resu
 Returns a Result (output, info, diagnostics, method arrays such as lse, pivots, variance).
 Raises ValueError on bad input (shapes, NaN / Inf, unknown method or option, bad option value).)doc");
 
+  py::class_<GradState, std::shared_ptr<GradState>>(
+      m, "GradState",
+      "The forward state sdpa(..., keep_state=True) keeps for one backward: the inputs (read in "
+      "place, not copied),\nthe functor and its per-head results (exact: lse; eva, performer: "
+      "the random draws; conv_basis:\nthe basis offsets). The Result's output is a view of the "
+      "state's output. Used by effattn.torch.")
+      .def_readonly("method", &GradState::method)
+      .def_property_readonly("has_backward", &GradState::has_backward)
+      .def(
+          "backward",
+          [](const GradState& st, const py::object& grad_output) {
+            return st.backward(grad_view(st, grad_output));
+          },
+          py::arg("grad_output"),
+          "backward(grad_output) -> (dq, dk, dv): the gradients of the kept forward given "
+          "dL/d output (the output's shape),\nin q's, k's and v's shapes (GQA: key / value "
+          "gradients summed over a group's query heads).\nRaises ValueError for a method "
+          "without a backward, naming it.");
+
   m.def(
       "sdpa", &sdpa, py::arg("q"), py::arg("k"), py::arg("v"), py::arg("is_causal") = false,
       py::arg("method") = "exact", py::arg("cu_seqlens_q") = py::none(),
-      py::arg("cu_seqlens_k") = py::none(), py::arg("check") = true,
-      R"doc(sdpa(q, k, v, is_causal=False, method="exact", cu_seqlens_q=None, cu_seqlens_k=None, check=True, **options) -> Result
+      py::arg("cu_seqlens_k") = py::none(), py::arg("check") = true, py::arg("keep_state") = false,
+      R"doc(sdpa(q, k, v, is_causal=False, method="exact", cu_seqlens_q=None, cu_seqlens_k=None, check=True, keep_state=False, **options) -> Result
 
 Scaled dot-product attention in PyTorch's layout, every head of a batch in one call.
 
@@ -586,7 +643,10 @@ Read in place (no copy) when the dtype is float32 / float64 and:
 Otherwise the input is converted once (result.copies says which). causal is bottom-right
 aligned per sequence (as flash-attention; the same as torch's is_causal when L == S).
 Results: output, info, diagnostics (batch, heads, kv_heads, tasks), lse (exact: (B, H, L), or
-(H, T) varlen) and heads (per-(b, h) Results of the other methods, index b * H + h).)doc");
+(H, T) varlen) and heads (per-(b, h) Results of the other methods, index b * H + h).
+keep_state=True: the Result's `state` (a GradState) keeps what the backward needs;
+state.backward(grad_output) returns (dq, dk, dv) without running the forward again (heads is
+then empty). effattn.torch is built on it.)doc");
 
   m.def(
       "sdpa_backward", &sdpa_backward, py::arg("q"), py::arg("k"), py::arg("v"),

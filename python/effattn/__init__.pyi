@@ -1,4 +1,5 @@
-"""Type stubs of the effattn extension module (python/src/*.cpp).
+"""Type stubs of the effattn package: the extension module effattn._effattn (python/src/*.cpp),
+whose names effattn re-exports. effattn.torch (python/effattn/torch.py) carries its own types.
 
 Arrays are NumPy arrays or anything NumPy converts without a copy (CPU torch tensors that do not
 require grad). See README "From Python" for layouts, copies and threads.
@@ -50,6 +51,16 @@ class CompressedKV:
     def append(self, k: ArrayLike, v: ArrayLike) -> None:
         """Appends newly decoded tokens (t, d), (t, dv) exactly (weight 1)."""
 
+class GradState:
+    """The forward state sdpa(..., keep_state=True) keeps for one backward (effattn.torch)."""
+
+    method: str
+    has_backward: bool
+    def backward(
+        self, grad_output: ArrayLike
+    ) -> Tuple[npt.NDArray[np.floating], npt.NDArray[np.floating], npt.NDArray[np.floating]]:
+        """(dq, dk, dv) of the kept forward given dL/d output; ValueError without a backward."""
+
 def attention(
     q: ArrayLike,
     k: ArrayLike,
@@ -74,10 +85,12 @@ def sdpa(
     cu_seqlens_q: Optional[Offsets] = None,
     cu_seqlens_k: Optional[Offsets] = None,
     check: bool = True,
+    keep_state: bool = False,
     **options: Any,
 ) -> Result:
     """Scaled dot-product attention on (B, H, L, d) arrays (k, v: (B, G, S, d), G | H: GQA),
-    or packed (T, H, d) arrays with cu_seqlens_q / cu_seqlens_k (variable length)."""
+    or packed (T, H, d) arrays with cu_seqlens_q / cu_seqlens_k (variable length).
+    keep_state=True: result.state is a GradState for one backward."""
 
 def attention_backward(
     q: ArrayLike,
