@@ -7,7 +7,7 @@
 //        gemm/<float|double>/t<1|all>/<n>          afternoon/float/d64/full/tall/<n>
 // Counters: GFLOP/s (4 n m d per iteration, dense-equivalent), rel_err (relative Frobenius
 // error of 64 sampled rows against the double Naive reference), threads.
-// Ratios: python3 bench/ratios.py out.json (see README "Benchmarks").
+// Ratios: python3 bench/ratios.py out.json (see docs/performance.md).
 #include "common.hpp"
 
 #include <string>

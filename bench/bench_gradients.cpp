@@ -2,15 +2,17 @@
 //
 // Names: grad/exact/float/d<d>/<full|causal>/<n>   Tiled forward + backward of exact attention;
 //        grad/conv_basis/float/d64/k<k>/<n>        Conv-Basis (Grid, k bases) forward + backward;
+//        grad/eva/float/d64/<full|causal>/<n>      EVA (window 64, about 64 chunks, deterministic)
+//                                                  forward + backward;
 //        grad/.../smoke/<n>                         the smallest size of each family (ctest).
 // Every iteration runs the forward and then the backward of the same inputs, each timed with its
 // own clock: the reported (manual) time is the backward's, and the counters are
 //   fwd_ms, bwd_ms      mean forward / backward time per call,
 //   bwd_over_fwd        backward time / forward time of the same iterations,
 //   GFLOP/s             exact backward: 10 n m d dense-equivalent flops per call (5 GEMMs);
-// the summary printed after the run gives, per size, the backward / forward ratios, Conv-Basis
-// backward against the exact causal backward at the same n, and the fitted exponent of the
-// Conv-Basis backward time in n (least squares in log-log over n >= 4096).
+// the summary printed after the run gives, per size, the backward / forward ratios (exact, EVA),
+// Conv-Basis backward against the exact causal backward at the same n, and the fitted exponent of
+// the Conv-Basis backward time in n (least squares in log-log over n >= 4096).
 #include "common.hpp"
 
 #include <chrono>
@@ -20,6 +22,7 @@
 #include <tuple>
 
 #include <effattn/conv_basis.hpp>
+#include <effattn/eva.hpp>
 
 using namespace effattn;
 using effattn::bench::cached_workload;
@@ -134,7 +137,43 @@ void register_conv_basis(Index k, bool smoke) {
   b->Unit(benchmark::kMillisecond)->UseManualTime()->Complexity(benchmark::oNLogN);
 }
 
+void bm_eva(benchmark::State& state, bool causal, const std::string& family) {
+  const Index n = state.range(0), d = 64;
+  const int threads = set_threads(0);
+  const auto& w = cached_workload<float>(workloads::Kind::Gaussian, n, n, d, d);
+  const auto& g = cached_workload<float>(workloads::Kind::Gaussian, n, n, d, d, 2);  // dO = g.V
+  EvaOptions o;
+  o.causal = causal;
+  o.window = 64;
+  const EvaAttentionf f(o);
+  EvaResult<float> r;
+  EvaGradients<float> grads;
+  forward_backward_loop(
+      state, family, n, [&] { r = f.compute(w.Q, w.K, w.V); },
+      [&] {
+        grads = f.backward(w.Q, w.K, w.V, r, g.V);
+        benchmark::DoNotOptimize(grads.dQ.data());
+      });
+  state.counters["threads"] = threads;
+  state.counters["chunks"] = static_cast<double>(r.num_chunks);
+}
+
+void register_eva(bool causal, bool smoke) {
+  const std::string family = std::string("grad/eva/float/d64") + (causal ? "/causal" : "/full");
+  const std::string name = family + (smoke ? "/smoke" : "");
+  auto* b = benchmark::RegisterBenchmark(name.c_str(),
+                                         [=](benchmark::State& s) { bm_eva(s, causal, family); });
+  if (smoke) {
+    b->Arg(256);
+  } else {
+    for (Index n = 1024; n <= 16384; n *= 4) b->Arg(n);
+  }
+  b->Unit(benchmark::kMillisecond)->UseManualTime()->Complexity(benchmark::oN);
+}
+
 void register_all() {
+  for (const bool smoke : {true, false})
+    for (const bool causal : {false, true}) register_eva(causal, smoke);
   for (const bool smoke : {true, false}) register_conv_basis(16, smoke);
   for (const bool smoke : {true, false}) {
     for (const Index d : {64, 128}) {
@@ -146,10 +185,10 @@ void register_all() {
 
 void summary() {
   if (g_samples.empty()) return;
-  std::printf("\nBackward / forward time (exact Tiled, float, same iterations):\n");
+  std::printf("\nBackward / forward time (exact Tiled, EVA; float, same iterations):\n");
   std::printf("%-36s %8s %10s %10s %8s\n", "family", "n", "fwd ms", "bwd ms", "bwd/fwd");
   for (const auto& [family, pts] : g_samples) {
-    if (family.rfind("grad/exact", 0) != 0) continue;
+    if (family.rfind("grad/exact", 0) != 0 && family.rfind("grad/eva", 0) != 0) continue;
     for (const auto& [n, s] : pts)
       std::printf("%-36s %8ld %10.2f %10.2f %8.2f\n", family.c_str(), static_cast<long>(n),
                   s.fwd_seconds * 1e3, s.seconds * 1e3, s.seconds / s.fwd_seconds);

@@ -22,7 +22,7 @@
 //            same Q, K, V before every timed iteration (outside the timed region): a ratio from
 //            one run under one machine load
 // Ratios (method time / exact time of the same run) and the log-log slope over n are derived
-// from the JSON output; see the README section of KEP-SVGP.
+// from the JSON output; see docs/methods/kep_svgp.md.
 #include "common.hpp"
 
 #include <Eigen/Cholesky>

@@ -9,7 +9,7 @@
 #   an <Eigen/Dense>-only TU with one GEMM, the yardstick, compiled first, between and last
 #   (the median of the three is the base of the ratios)                     -> eigen_only{,_2,_3}
 # then runs the three consumers (each checks its results). Prints a table with the ratios to
-# the Eigen-only TU and the README's bars (header-only <= 10x and <= 1.5 GB, compiled <= 3x).
+# the Eigen-only TU and the targets (header-only <= 10x and <= 1.5 GB, compiled <= 3x).
 #   bash bench/compile_cost.sh PREFIX [BUILD_DIR]      (PREFIX: where effattn is installed)
 set -euo pipefail
 prefix=$(realpath "$1")

@@ -1,4 +1,4 @@
-// Attention as a decoder model calls it (README "Using it in a model"): a batch of two prompts
+// Attention as a decoder model calls it (docs/multi_head.md): a batch of two prompts
 // of different lengths, 32 query heads sharing 8 key/value heads (GQA), a causal prefill, then
 // token-by-token decoding against a KV cache preallocated per sequence. Checks every output
 // against the per-head reference and prints the largest difference.

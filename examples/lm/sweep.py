@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Every effattn method inside the two trained models: the README table and the Pareto plot.
+"""Every effattn method inside the two trained models: the table and the Pareto plot of docs/real_models.md.
 
     /usr/bin/python3 examples/lm/sweep.py --lm build/release/examples/effattn-lm \\
         [--windows 16] [--contexts 1024,2048] [--out examples/lm/results]

@@ -131,6 +131,26 @@ CONFIGS = {
                     attn_blocks=1, seed=30, data_seed=31),
 }
 
+# `--attention`: train (and evaluate) with an effattn method in every attention layer, through
+# effattn.torch (effattn's C++ forward and backward), with the options effattn-lm runs that
+# method with at its default budget (lm_attention.hpp), so that `effattn-lm eval --weights
+# weights/<model>-<attention>.eflm --method NAME` computes the function that was trained.
+ATTENTION = {
+    "softmax": None,  # torch's matmul / softmax / matmul (the shipped models)
+    "eva": ("eva", {"window": 64, "chunk_size": 16}),
+    "performer": ("performer", {"samples": 256, "seed": 42}),
+    "conv_basis": ("conv_basis", {"num_bases": 16}),
+}
+# Which model kinds a method can train: the causal-only and non-causal methods.
+ATTENTION_MODELS = {"softmax": ("decoder", "encoder"), "eva": ("decoder", "encoder"),
+                    "performer": ("encoder",), "conv_basis": ("decoder",)}
+
+
+def output_name(model, attention, seed_offset):
+    """weights/<name>.eflm: `decoder`, `decoder-eva`, `encoder-seed2`, ..."""
+    name = model if attention == "softmax" else f"{model}-{attention}"
+    return name + (f"-seed{seed_offset + 1}" if seed_offset else "")
+
 
 # ----------------------------------------------------------------------------------------------
 # Text
@@ -187,6 +207,10 @@ class LM(torch.nn.Module):
                 self.params[(p + name).replace(".", "_")] = P(torch.empty(shape))
         self.params["final_norm"] = P(torch.empty(D))
         self._cache = {}
+        # None: torch's matmul / softmax / matmul (attention() below); otherwise an effattn
+        # method name run through effattn.torch (differentiable C++ kernels), with its options.
+        self.effattn_method = None
+        self.effattn_options = {}
 
     def reset_parameters(self):
         std = self.cfg["init_std"]
@@ -227,6 +251,14 @@ class LM(torch.nn.Module):
         h // (H/G). With causal and blocks > 1 the queries are processed in blocks that only
         multiply the keys they can see (same result, less work; training only)."""
         B, T, H, hd = q.shape
+        if self.effattn_method is not None:
+            # effattn.torch on (B, H, T, hd) views of the (B, T, H, hd) activations: read in
+            # place (bf16 ones under autocast are converted to float32 once).
+            import effattn.torch as et
+
+            o = et.attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                             self.effattn_method, causal, **self.effattn_options)
+            return o.transpose(1, 2).reshape(B, T, H * hd)
         G = k.shape[2]
         rep = H // G
         scale = 1.0 / math.sqrt(hd)
@@ -386,6 +418,13 @@ def checkpoint_path(name, cfg):
     return os.path.join(REPO, ".cache", "lm-train", f"{name}-{digest}.pt")
 
 
+def use_attention(model, attention):
+    """Points the model's attention at `attention` (a key of ATTENTION)."""
+    spec = ATTENTION[attention]
+    model.effattn_method, model.effattn_options = (None, {}) if spec is None else \
+        (spec[0], dict(spec[1]))
+
+
 def train(name, cfg, log):
     """Train one model; returns (model, final train loss in nats, seconds).
 
@@ -395,6 +434,7 @@ def train(name, cfg, log):
     torch.manual_seed(cfg["seed"])
     model = LM(cfg)
     model.reset_parameters()
+    use_attention(model, cfg.get("attention", "softmax"))
     gen = torch.Generator().manual_seed(cfg["data_seed"])
     data = torch.frombuffer(bytearray(cfg["_train_bytes"]), dtype=torch.uint8)
     decay = [p for p in model.parameters() if p.dim() == 2]
@@ -542,6 +582,7 @@ def export(name, model, heldout, out_dir, log):
         if h[k] != want:
             raise RuntimeError(f"header {k}: {h[k]} != {want}")
     fresh = LM(dict(cfg, **{k: h[k] for k in lm_format.HEADER_U32}))
+    use_attention(fresh, cfg.get("attention", "softmax"))
     load_format_tensors(fresh, loaded)
     for n, p in model.named_format_tensors().items():
         if not torch.equal(fresh.named_format_tensors()[n], p.detach()):
@@ -606,11 +647,20 @@ def prepare_data(out_dir, log):
     return train_bytes, heldout, sha
 
 
-def run(name, args, train_bytes, heldout, heldout_sha, log):
-    cfg = dict(CONFIGS[name])
+def run(kind, args, train_bytes, heldout, heldout_sha, log):
+    cfg = dict(CONFIGS[kind])
+    if kind not in ATTENTION_MODELS[args.attention]:
+        raise SystemExit(f"train.py: --attention {args.attention} cannot train the {kind} "
+                         f"(it trains: {', '.join(ATTENTION_MODELS[args.attention])})")
+    name = output_name(kind, args.attention, args.seed_offset)
+    if args.attention != "softmax":
+        cfg["attention"] = args.attention
+    if args.seed_offset:
+        cfg["seed"] += args.seed_offset
+        cfg["data_seed"] += args.seed_offset
     if args.smoke:
         cfg.update(steps=3, warmup=1, batch=1)
-    if args.repeats and name == "decoder":
+    if args.repeats and kind == "decoder":
         cfg["repeats"] = REPEATS
     for key in ("context", "batch"):
         if getattr(args, key) is not None:
@@ -651,7 +701,10 @@ def run(name, args, train_bytes, heldout, heldout_sha, log):
         "eval_seconds": round(eval_seconds, 1),
         "final_train_loss": final_loss,
         "final_train_loss_unit": "nats per predicted byte, mean of the last 20 steps"
-                                 + (" (masked positions only)" if name == "encoder" else ""),
+                                 + (" (masked positions only)" if kind == "encoder" else ""),
+        "attention": {"name": args.attention,
+                      "effattn_method": model.effattn_method,
+                      "options": model.effattn_options},
         "final_train_bpb": final_loss / math.log(2),
         "heldout_bpb": full,
         "heldout_bpb_first4": first4,
@@ -678,6 +731,12 @@ def main():
                     help="decoder: train on windows with repeated passages (REPEATS)")
     ap.add_argument("--context", type=int, help="override the training context")
     ap.add_argument("--batch", type=int, help="override the batch")
+    ap.add_argument("--attention", choices=tuple(ATTENTION), default="softmax",
+                    help="train with this effattn method (through effattn.torch) instead of "
+                         "torch's softmax attention; writes weights/<model>-<attention>.eflm")
+    ap.add_argument("--seed-offset", type=int, default=0,
+                    help="add this to the model's init and data seeds (seed noise); writes "
+                         "<name>-seed<offset + 1>")
     args = ap.parse_args()
     if args.out is None:
         args.out = SMOKE_OUT if args.smoke else HERE

@@ -65,7 +65,26 @@ struct SummaryMap {
   double ln_eps = 1e-5;      ///< LayerNorm epsilon (> 0)
 };
 
+/// Gradients of a loss with respect to the parameters of one `SummaryMap` (see
+/// `EvaAttention::backward`), in double like the map. A field is empty when the map does not
+/// have that parameter: `weight` and `bias` when they are empty (identity, zero), `ln_gamma` and
+/// `ln_beta` when they are empty or `layer_norm` is off.
+struct SummaryMapGradients {
+  Eigen::MatrixXd weight;    ///< d x d, dL/dW
+  Eigen::VectorXd bias;      ///< d, dL/db
+  Eigen::VectorXd ln_gamma;  ///< d, dL/dgamma
+  Eigen::VectorXd ln_beta;   ///< d, dL/dbeta
+};
+
 }  // namespace eva
+
+/// Gradients returned by `EvaAttention::backward`: dQ, dK, dV (`AttentionGradients`; dbias is
+/// empty) and the gradients of the learned summary maps.
+template <typename Scalar>
+struct EvaGradients : AttentionGradients<Scalar> {
+  eva::SummaryMapGradients key_map;    ///< of `EvaOptions::key_map`
+  eva::SummaryMapGradients query_map;  ///< of `EvaOptions::query_map`
+};
 
 namespace policy {
 /// \ingroup Policies
@@ -205,10 +224,9 @@ struct EvaResult : AttentionResult<Scalar> {
 /// \endcode
 ///
 /// \par Gradients
-/// No `backward` yet (only `PerformerAttention` has one): in deterministic mode (`samples` = 0)
-/// the output is smooth in Q, K, V, but its chunk proposals, control-variate coefficients and
-/// exact local blocks make the chain rule a sizeable kernel of its own, not the few feature
-/// products of the Performer's.
+/// `backward` gives the exact derivative of `compute`'s output with respect to Q, K, V and the
+/// summary-map parameters, for every option (the random draws eps held fixed), computed in
+/// double at a few times the forward's cost (see `backward`).
 ///
 /// \par Threading
 /// `compute` is const and keeps no state: one functor may be shared by any number of threads.
@@ -260,6 +278,54 @@ class EvaAttention {
     if (r.info != Info::Success) detail::throw_numerical_error(name, r.info);
     return std::move(r.output);
   }
+
+  /// Result of `backward`.
+  using Gradients = EvaGradients<Scalar>;
+
+  /// Gradients of a loss L through `compute(Q, K, V)`: given `result` (that call's result) and
+  /// dO = dL/dO (n x dv), returns dQ (n x d), dK (m x d), dV (m x dv) and the gradients of the
+  /// `key_map` and `query_map` parameters (`EvaGradients`), the exact derivative of the forward
+  /// for every option. With samples >= 1 the draws eps_{c,s} (regenerated from the seed, checked
+  /// against `result.omega`) are held fixed and w_{c,s} = mu_c + eps_{c,s} moves with mu_c (the
+  /// reparameterisation gradient of one draw); with samples = 0, w_c = mu_c.
+  ///
+  /// The chain rule follows the forward backwards. Per query n, with the joint softmax A_n over
+  /// the logits l_nj (local keys: q~_n . k~_j; chunks: q~_n . k^_c + u_c(q~_n)), value rows x_j
+  /// (v_j, or beta_{n,c}), Y_nj = dO_n . x_j and D_n = dO_n . O_n = sum_j A_nj Y_nj:
+  /// \f[ \partial l_{nj} = A_{nj}(Y_{nj} - D_n),\quad dv_j \mathrel{+}= A_{nj}\,dO_n,\quad
+  ///     d\tilde q_n \mathrel{+}= \partial l_{nj}\,\partial_{\tilde q} l_{nj},\quad
+  ///     d\tilde k_j \mathrel{+}= \partial l_{nj}\,\tilde q_n,\quad
+  ///     d\hat k_c \mathrel{+}= \partial l_{nc}\,\tilde q_n, \f]
+  /// (GaussianDiag: d(var_c/2) += dl q~ o q~, dq~ += 2 dl q~ o var_c/2). For S >= 2,
+  /// db_{c,s} += A_nc pi_{n,c,s} dO_n and dT_{n,c,s} = A_nc pi_{n,c,s}(dO_n . b_{c,s} - Y_nc)
+  /// with T = w.(q~ - mu) + a: dq~ += dT w, dw += dT (q~ - mu), da += dT, dmu -= dT w (S = 1:
+  /// db_c += A_nc dO_n). Per chunk, with r_{s,m} = w_s . k~_m - |k~_m|^2/2 and P = softmax_m(r):
+  /// \f[ \partial r_{s,m} = P_{s,m}\big(db_s\cdot(v_m - b_s) + da_s\big),\quad
+  ///     dv_m \mathrel{+}= \textstyle\sum_s P_{s,m}\,db_s,\quad
+  ///     dw_s \mathrel{+}= \sum_m \partial r_{s,m}\,\tilde k_m,\quad
+  ///     d\tilde k_m \mathrel{+}= \sum_s \partial r_{s,m}(w_s - \tilde k_m), \f]
+  /// then dmu += sum_s dw_s, the proposal's share of dmu goes to k^_c and q^_c, each through its
+  /// map (Linear, LayerNorm) to the chunk mean and the map parameters, and the means spread
+  /// their gradient evenly over the chunk's keys and queries (GaussianDiag:
+  /// dk_j += (s / |P_c|) d(var_c/2) o (k_j - kbar_c)). dQ = sqrt(s) dq~ + (query means),
+  /// dK = sqrt(s) dk~ + (key means).
+  ///
+  /// Cost: recomputes the forward's chunk statistics (by its own code), then
+  /// O(n (K + C S)(d + dv)) for the queries and O(m S (d + dv) + C d^2) for the chunks, like
+  /// `compute`; memory O(m d) for the scaled keys, O(G C S (d + dv)) for the chunk-side
+  /// accumulators of G <= 16 fixed groups of query blocks and per-thread tiles, nothing n x m.
+  /// Past the chunk statistics (the forward's, in Scalar), every product, softmax and sum runs in
+  /// double (each gradient entry then adds at most three such contributions in Scalar); the work
+  /// split depends only on shapes and options, and the groups are summed in a fixed order, so
+  /// the gradients are bit-identical for any thread count.
+  /// `MultiHead<F>::backward` uses it for dQ, dK, dV (it does not collect the summary-map
+  /// gradients).
+  /// \throws effattn::invalid_argument on invalid Q, K, V or options (as `compute`), if `result`
+  ///         is not a successful result of these inputs and options (output n x dv, window,
+  ///         chunk_size, chunk and sample counts, omega C S x d, and omega and chunk_keys equal to
+  ///         those these inputs give), or if dO is not n x dv or not finite.
+  [[nodiscard]] Gradients backward(const Ref& Q, const Ref& K, const Ref& V, const Result& result,
+                                   const Ref& dO) const;
 
   /// The most logits any query evaluates, |E_n| + S x (visible chunks), for n queries over m
   /// keys, without computing anything: the feature budget of the configuration
@@ -413,6 +479,7 @@ using PerformerAttentiond = PerformerAttention<double>;
 }  // namespace effattn
 
 #if EFFATTN_DETAIL_WITH_IMPL
+#include "detail/eva_backward_impl.hpp"
 #include "detail/eva_impl.hpp"
 #endif
 

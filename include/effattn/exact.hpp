@@ -128,8 +128,8 @@ struct ExactResult : AttentionResult<Scalar> {
 ///   which changes the weights by a relative e^{2u s |q_i| |k_j|} - 1; rounding P and V adds
 ///   about 2u relative per term. Outputs are therefore within a few times 2^-9 of exact in
 ///   relative terms unless the logits are large (|s q_i k_j| >> 1 amplifies the logit error):
-///   measured relative Frobenius errors are ~3e-3 on the shared workloads (README, "bf16 on
-///   the matrix engine"). lse carries the logit error directly (absolute ~u s |q| |k|). With
+///   measured relative Frobenius errors are ~3e-3 on the shared workloads (docs/bf16.md).
+///   lse carries the logit error directly (absolute ~u s |q| |k|). With
 ///   `ExactOptions::bf16_scores` = `Bf16Scores::Split` (the default `Auto` for d <= 32) the
 ///   scores of float inputs are three bf16 products (Q and K split into bf16 value and bf16
 ///   remainder), which takes the logit error to ~u^2 s |q| |k|: at small d a needle query

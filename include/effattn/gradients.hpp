@@ -1,5 +1,5 @@
 /// \file gradients.hpp
-/// \brief The result type of every `backward` (exact attention, Conv-Basis, Performer) and the
+/// \brief The result type of every `backward` (exact attention, Conv-Basis, Performer, EVA) and the
 /// argument checks they share.
 ///
 /// A `backward(Q, K, V, result, dO)` returns the gradients of a scalar loss L with respect to the

@@ -189,7 +189,7 @@ class MultiHead {
   /// 1: a Matrix, a Map of a model's buffer or a block of one) instead of a new matrix; the
   /// Result's `output` stays empty. A model that reuses one output buffer per layer saves the
   /// allocation and the kernel's zeroing of fresh pages on every call (a prefill output is
-  /// 64 MiB at B = 8, L = 512, 32 heads of 128: see the README, "Using it in a model").
+  /// 64 MiB at B = 8, L = 512, 32 heads of 128: see docs/multi_head.md).
   /// The values are bit-identical to `compute`'s; `backward` needs `compute`'s Result (it reads
   /// the output). When the call throws, `out` may have been partly written.
   /// \throws effattn::invalid_argument as `compute`, and if `out` has the wrong shape, an inner
@@ -202,8 +202,8 @@ class MultiHead {
                const std::vector<Index>& seqused_k = {}) const;
 
   /// Gradients of a loss through `compute` (methods with a `backward`: exact attention, both
-  /// policies and TiledBf16, Conv-Basis, Performer): given the packed Q, K, V and offsets of the
-  /// forward call, its `result` and dO = dL/dO (T_q x heads dv, the output's shape), returns
+  /// policies and TiledBf16, Conv-Basis, Performer, EVA): given the packed Q, K, V and offsets of
+  /// the forward call, its `result` and dO = dL/dO (T_q x heads dv, the output's shape), returns
   /// dQ, dK, dV in the packed layout (see `MultiHeadGradients`). Each (sequence, query head)
   /// runs F's own `backward` from its part of `result` (output slice and per-head Result: `lse`,
   /// Conv-Basis offsets, ...); the dK, dV of a key/value head are the sums over its query heads,

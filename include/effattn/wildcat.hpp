@@ -113,7 +113,7 @@ struct WildcatOptions {
   /// float only (ignored for double; `WildcatResult::bf16` says whether it ran). Off by default:
   /// it adds the bf16 error of exact attention (~3e-3 relative Frobenius) to WildCat's own
   /// (~1e-2 at r = 256 on sphere), and `error_bound` does not cover the rounding. Measured speed:
-  /// README, "WildCat with bf16 coreset attention".
+  /// docs/methods/wildcat.md.
   bool bf16_attention = false;
 };
 

@@ -2,7 +2,7 @@
 whose names effattn re-exports. effattn.torch (python/effattn/torch.py) carries its own types.
 
 Arrays are NumPy arrays or anything NumPy converts without a copy (CPU torch tensors that do not
-require grad). See README "From Python" for layouts, copies and threads.
+require grad). See docs/python.md for layouts, copies and threads.
 """
 
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union

@@ -44,6 +44,7 @@ __all__ = ["attention", "Attention", "methods_with_backward"]
 methods_with_backward: Tuple[str, ...] = ("exact", "conv_basis", "eva", "performer")
 
 _FN = "effattn.torch.attention"
+_HALF = {torch.bfloat16, torch.float16}
 
 
 def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -55,11 +56,15 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
                 f"{_FN}: {name} must be a 4-D (B, H, L, d) tensor (k and v: (B, G, S, d)); "
                 f"got shape {tuple(t.shape)}"
             )
-        if t.dtype not in (torch.float32, torch.float64):
-            raise ValueError(f"{_FN}: {name} must be float32 or float64; got {t.dtype}")
+        if t.dtype not in (torch.float32, torch.float64, torch.bfloat16, torch.float16):
+            raise ValueError(
+                f"{_FN}: {name} must be float32 or float64 (bfloat16 / float16: computed in "
+                f"float32); got {t.dtype}"
+            )
         if t.device.type != "cpu":
             raise ValueError(f"{_FN}: {name} must be on the CPU; got device {t.device}")
-    if not (q.dtype == k.dtype == v.dtype):
+    wide = {t.dtype for t in (q, k, v)} - _HALF
+    if len(wide) > 1:
         raise ValueError(
             f"{_FN}: q, k and v must have one dtype; got {q.dtype}, {k.dtype}, {v.dtype}"
         )
@@ -117,8 +122,10 @@ def attention(
     """softmax(scale q k^T [+ causal mask]) v with effattn's ``method``, differentiable.
 
     q: (B, H, L, d); k: (B, G, S, d); v: (B, G, S, dv), with G dividing H (query head h reads
-    key / value head h // (H // G)); float32 or float64 CPU tensors of one dtype. Returns the
-    (B, H, L, dv) output in q's dtype. ``causal`` is the bottom-right aligned mask (query i sees
+    key / value head h // (H // G)); float32 or float64 CPU tensors of one dtype (bfloat16 and
+    float16 ones, e.g. under ``torch.autocast``, are converted to the float dtype of the others,
+    float32 when all are half). Returns the
+    (B, H, L, dv) output in q's dtype (float32 for half-precision inputs). ``causal`` is the bottom-right aligned mask (query i sees
     keys j <= i + S - L; torch's ``is_causal`` when L == S). ``options`` are the method's C++
     Options fields as keyword arguments (``effattn.sdpa``'s), e.g. ``window=64`` for ``eva``,
     ``samples=128, seed=1`` for ``performer``, ``policy="naive"`` for ``exact``; unknown options
@@ -129,6 +136,12 @@ def attention(
     requires grad, only the forward runs and nothing is kept.
     """
     _check(q, k, v)
+    if {q.dtype, k.dtype, v.dtype} & _HALF:
+        # Half-precision activations (torch.autocast, where some projections come out bf16 and
+        # others float32): computed in the widest dtype given (float32 when all are half), one
+        # conversion each way through autograd (gradients come back in the inputs' dtypes).
+        wide = ({q.dtype, k.dtype, v.dtype} - _HALF or {torch.float32}).pop()
+        q, k, v = (t if t.dtype == wide else t.to(wide) for t in (q, k, v))
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         return _AttentionFunction.apply(q, k, v, method, causal, options)
     r = _effattn.sdpa(_array(q), _array(k), _array(v), is_causal=causal, method=method, **options)

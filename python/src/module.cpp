@@ -303,7 +303,7 @@ Packed pack_sdpa(const py::array& qa, const py::array& ka, const py::array& va, 
     p.B = B;
     p.H = H;
     p.L = L;
-    // The layout MultiHead reads (README "From Python", "Layouts and copies"):
+    // The layout MultiHead reads (docs/python.md, "Layouts and copies"):
     //  - sequences: each (b, h) an L x d row-major block (C-contiguous (B, H, L, d)): one
     //    sequence per (b, h), one head. GQA: the r = H / G query heads of a group are stacked
     //    as rows of one sequence (exact attention without a mask: rows are independent);

@@ -88,15 +88,15 @@ def test_bf16_tensor_through_a_uint16_view():
 
 
 def test_readme_example_runs():
-    """The ```python examples of README "From Python" run as written."""
-    readme = os.path.join(os.path.dirname(__file__), "..", "..", "README.md")
-    text = open(readme).read()
-    section = text[text.index("## From Python"):]
-    section = section[: section.index("\n## ", 1)]
+    """The ```python examples of docs/python.md (effattn.torch, the NumPy-level API) run as
+    written, in order."""
+    doc = os.path.join(os.path.dirname(__file__), "..", "..", "docs", "python.md")
+    text = open(doc).read()
+    assert "## The NumPy-level API" in text
     env = {}
-    blocks = section.split("```python")[1:]
+    blocks = text.split("```python")[1:]
     assert len(blocks) >= 2
     for block in blocks:
-        exec(compile(block[: block.index("```")], "README.md (From Python)", "exec"), env)
-    assert env["y"].shape == (4, 8, 1024, 64) and env["out"].shape == (2, 32, 1024, 128)
+        exec(compile(block[: block.index("```")], "docs/python.md", "exec"), env)
+    assert env["out"].shape == (2, 32, 1024, 128)
     assert env["r"].output.shape == (1024, 32, 128) and env["dv"].shape == (4096, 64)

@@ -39,12 +39,15 @@ GRADCHECK = [
     ("conv_basis", True, 2, {"num_bases": 3, "probe": 2}),
     ("conv_basis", True, 1, {}),
     ("performer", False, 2, {"samples": 16, "seed": 3}),
+    ("eva", False, 2, {"window": 4, "chunk_size": 2}),
+    ("eva", True, 2, {"window": 4, "chunk_size": 2}),
+    ("eva", True, 1, {"window": 4, "chunk_size": 4, "samples": 2, "seed": 5}),
 ]
 
 
 @pytest.mark.parametrize("method,causal,G,opts", GRADCHECK)
 def test_gradcheck_float64(method, causal, G, opts):
-    q, k, v = inputs(2, 4, G, 12, 12, 4, dv=3, seed=1)
+    q, k, v = inputs(1, 4, G, 10, 10, 4, dv=3, seed=1)
     assert torch.autograd.gradcheck(
         lambda a, b, c: et.attention(a, b, c, method, causal, **opts), (q, k, v),
         eps=1e-6, atol=1e-7, rtol=1e-5,
@@ -63,10 +66,22 @@ def test_exact_gradients_match_torch_autograd(causal, G):
         assert torch.allclose(a, b, rtol=1e-10, atol=1e-12)
 
 
+def test_eva_equals_exact_when_the_window_covers_every_key():
+    q, k, v = inputs(1, 2, 2, 16, 16, 4, seed=3)
+    w = torch.randn(1, 2, 16, 4, dtype=torch.float64)
+    for causal in (False, True):
+        ge = torch.autograd.grad(
+            (et.attention(q, k, v, "eva", causal, window=16) * w).sum(), (q, k, v))
+        gx = torch.autograd.grad((torch_attention(q, k, v, causal) * w).sum(), (q, k, v))
+        for a, b in zip(ge, gx):
+            assert torch.allclose(a, b, rtol=1e-9, atol=1e-11)
+
+
 @pytest.mark.parametrize("method,causal,opts", [
     ("exact", True, {}),
     ("conv_basis", True, {"num_bases": 4}),
     ("performer", False, {"samples": 32}),
+    ("eva", True, {"window": 8, "chunk_size": 4}),
 ])
 def test_float32_gradients_follow_float64(method, causal, opts):
     q, k, v = inputs(2, 2, 1, 48, 48, 8, seed=4)
@@ -149,7 +164,7 @@ def test_bad_input_raises():
     with pytest.raises(ValueError, match="one dtype"):
         et.attention(q, k.float(), v)
     with pytest.raises(ValueError, match="float32 or float64"):
-        et.attention(q.half(), k.half(), v.half())
+        et.attention(q.int(), k.int(), v.int())
     bad = q.detach().clone()
     bad[0, 1, 2, 3] = float("nan")
     with pytest.raises(ValueError):
@@ -181,3 +196,18 @@ def test_module():
     assert "method='exact'" in repr(m) and m.has_backward and not list(m.parameters())
     q, k, v = inputs(2, 4, 2, 16, 16, 8)
     assert torch.allclose(m(q, k, v), torch_attention(q, k, v, True), rtol=1e-11, atol=1e-12)
+    eva = et.Attention("eva", causal=True, window=4, chunk_size=4)
+    y = eva(q, k, v)
+    y.square().sum().backward()
+    assert all(t.grad is not None and torch.isfinite(t.grad).all() for t in (q, k, v))
+
+
+def test_half_precision_inputs_compute_in_float32():
+    q, k, v = inputs(1, 4, 2, 32, 32, 8, seed=8)
+    qb, kb, vb = (t.detach().bfloat16().requires_grad_() for t in (q, k, v))
+    out = et.attention(qb, kb, vb, causal=True)
+    assert out.dtype == torch.float32
+    ref = torch_attention(*(t.detach().float() for t in (qb, kb, vb)), causal=True)
+    assert torch.allclose(out, ref, rtol=1e-5, atol=1e-6)
+    out.sum().backward()
+    assert qb.grad.dtype == torch.bfloat16 and torch.isfinite(qb.grad.float()).all()

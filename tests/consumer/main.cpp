@@ -1,4 +1,4 @@
-// Consumer check and the compile-cost probe of the README: a downstream translation unit that
+// Consumer check and the compile-cost probe (docs/building.md): a downstream translation unit that
 // includes the umbrella header and calls each of the seven functors once (float, default
 // options). It is built against the installed package three ways (tests/consumer/CMakeLists.txt):
 // header-only (effattn::effattn), compiled (effattn::compiled) and without FFTW

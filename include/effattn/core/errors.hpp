@@ -1,7 +1,7 @@
 /// \file errors.hpp
 /// \brief Exceptions, `EFFATTN_CHECK` (always on) and `EFFATTN_ASSERT` (debug only).
 ///
-/// Policy (see README "Guarantees"): precondition violations (shapes, empty inputs, NaN/Inf
+/// Policy (see docs/guarantees.md): precondition violations (shapes, empty inputs, NaN/Inf
 /// inputs, bad options, impossible budgets) throw `effattn::invalid_argument`; numerical trouble
 /// during a computation is reported in `Result::info`, and the throwing convenience path
 /// `operator()` turns it into `effattn::numerical_error`.

@@ -50,8 +50,7 @@ inline TilePlan plan_tiles(Index n, Index m, Index d, Index dv, Index scalar_byt
   // that size on the stack but heap-allocates larger ones on every call (measured: one malloc
   // per tile for double 128 x 256 tiles). Float: 128 x 256, double: 128 x 128; the query block
   // halves for very wide heads so the packed Q tile obeys the same limit. A tile that size sits
-  // well inside the L2 cache. The choice was timed with bench_exact (the README, "Exact
-  // attention").
+  // well inside the L2 cache. The choice was timed with bench_exact (docs/methods/exact.md).
   const Index limit = EIGEN_STACK_ALLOCATION_LIMIT;
   const Index width = std::min<Index>(std::max(d, dv), 256);
   Index bq = 128;

@@ -20,8 +20,8 @@ namespace detail {
 /// visible key, d + dv): exact attention costs n m_vis (d + dv) units.
 ///
 /// The coefficients are fitted to `bench_auto`'s calibration rows (float, d = dv = 64, 2
-/// threads, n = m = 4096, 16384, 65536, r = 64, 256, 1024; README "AutoAttention: ask for an
-/// accuracy, not a budget"), rounded up so that the model errs on the expensive side: an
+/// threads, n = m = 4096, 16384, 65536, r = 64, 256, 1024; docs/methods/auto.md), rounded
+/// up so that the model errs on the expensive side: an
 /// over-estimate only makes AutoAttention probe less. Refitted after WildCat's float selection
 /// (issue 21): the selection measured 0.23-0.52 of the old model (1.8 r^2 m + 5.5 r m D + 1200 m
 /// D), which capped the probe at r = 512 on `sphere`, n = 65536, where r = 1024 meets a 1e-2 target

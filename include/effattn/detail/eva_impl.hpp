@@ -592,6 +592,20 @@ inline void eva_check_map_dim(const eva::SummaryMap& mp, const char* which, Inde
                       " entries; got ", v->size()));
 }
 
+/// The checks `compute` and `backward` share: Q, K, V (as every method), causal shapes and the
+/// summary maps' size against d = Q.cols().
+template <typename QT, typename KT, typename VT>
+void eva_check_call(const EvaOptions& o, const QT& Q, const KT& K, const VT& V, const char* name) {
+  check_attention_inputs(Q, K, V, name);
+  EFFATTN_CHECK(!o.causal || K.rows() >= Q.rows(),
+                cat(name,
+                    ": causal attention needs m >= n (query i sits at key position i + m - n); "
+                    "got Q ",
+                    shape(Q), ", K ", shape(K)));
+  eva_check_map_dim(o.key_map, "key_map", Q.cols(), name);
+  eva_check_map_dim(o.query_map, "query_map", Q.cols(), name);
+}
+
 /// The EVA options that make the kernel compute RFA / Performer: no local block, mu = 0, chunk
 /// logit q~ . k^_c with no mass term, `samples` features (0 = 64) drawn from `seed`. (The single
 /// chunk holding every key comes from `eva_make_plan(..., one_chunk = true, ...)`.)
@@ -654,15 +668,8 @@ template <typename Scalar_, typename Policy>
 typename EvaAttention<Scalar_, Policy>::Result EvaAttention<Scalar_, Policy>::compute(
     const Ref& Q, const Ref& K, const Ref& V) const {
   using detail::cat;
-  detail::check_attention_inputs(Q, K, V, name);
+  detail::eva_check_call(m_opts, Q, K, V, name);
   const Index n = Q.rows(), m = K.rows(), d = Q.cols(), dv = V.cols();
-  EFFATTN_CHECK(!m_opts.causal || m >= n,
-                cat(name,
-                    ": causal attention needs m >= n (query i sits at key position i + m - n); "
-                    "got Q ",
-                    detail::shape(Q), ", K ", detail::shape(K)));
-  detail::eva_check_map_dim(m_opts.key_map, "key_map", d, name);
-  detail::eva_check_map_dim(m_opts.query_map, "query_map", d, name);
   const double scale = detail::resolve_scale(m_opts.scale, d);
   const detail::EvaPlan plan =
       detail::eva_make_plan(m_opts, false, n, m, d, dv, static_cast<Index>(sizeof(Scalar)));

@@ -1066,7 +1066,7 @@ MultiHead<F>::backward(const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<D
                        const SeqOffsets& cu_seqlens_k, const std::vector<Index>& seqused_k) const {
   static_assert(detail::has_backward<F>::value,
                 "effattn: MultiHead<F>::backward needs a functor with backward (exact attention, "
-                "Conv-Basis, Performer)");
+                "Conv-Basis, Performer, EVA)");
   constexpr int order = DQ::IsRowMajor ? Eigen::RowMajor : Eigen::ColMajor;
   Matrix<Scalar> tq, tk, tv, to, tdo;
   detail::RowMatrix<Scalar> rq, rk, rv, ro, rdo;
