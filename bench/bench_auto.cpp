@@ -16,7 +16,7 @@
 // The calib rows report model_units: the measured time over the time of one cost-model unit
 // (exact's time / (n m (d + dv)) at the same n), i.e. the coefficient the model should use.
 // After the run a summary prints the auto table and the fitted coefficients.
-// Example (the bar at 1e-2):
+// Example (target error 1e-2):
 //   bench_auto --benchmark_filter='^(exact|auto)/' --benchmark_min_time=0.05
 #include "common.hpp"
 

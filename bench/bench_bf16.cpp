@@ -11,7 +11,7 @@
 // Counters: GFLOP/s (4 n m d per iteration; 2 flops per multiply-add for peak and GEMM), rel_err
 // (relative Frobenius error of 64 sampled rows against the double Naive reference), GB/s (decode:
 // bytes of K and V per call; stream: bytes summed), threads. A path the machine lacks is skipped
-// with a message. After the run a summary prints the ratios of the bars.
+// with a message. After the run a summary prints the headline ratios.
 #include "common.hpp"
 
 #include <effattn/core/isa.hpp>
@@ -348,7 +348,7 @@ void register_all() {
   })->Arg(1 << 16);
 }
 
-// Ratios of the bars, from the times of this run (printed when both sides ran).
+// The headline ratios, from the times of this run (printed when both sides ran).
 void summary() {
   const auto& t = times();
   auto ratio = [&](const std::string& slow, const std::string& fast, const char* what) {

@@ -92,7 +92,7 @@ inline void register_rpc_benchmarks() {
   smoke(Seq{}, "seq");
   smoke(Acc{}, "acc");
   smoke(Greedy{}, "greedy");
-  // Acceptance configuration first (the ratio the issue asks for), then the grid.
+  // The headline configuration first, then the grid.
   for (const auto kind : {workloads::Kind::Gaussian, workloads::Kind::Clustered})
     for (const int t : {1, 0}) {
       if (kind == workloads::Kind::Clustered && t == 0) continue;  // in the grid below

@@ -14,7 +14,7 @@
 //   vs_exact: time / time of exact/tiled at the same n and mask, measured earlier in this run;
 //   logits: softmax width per query (|E| + chunks), S for Performer; GFLOP/s: dense-equivalent.
 // After the run a summary prints the ratios and the log-log slope of time against n per family
-// (the bars). Example:
+// (the headline ratios). Example:
 //   bench_eva --benchmark_filter='^(exact/tiled|eva|performer)/float' --benchmark_min_time=0.2
 #include "common.hpp"
 

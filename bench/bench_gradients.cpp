@@ -1,4 +1,4 @@
-// Benchmarks of the gradients (issue 19), ratios measured in one run.
+// Benchmarks of the gradients, ratios measured in one run.
 //
 // Names: grad/exact/float/d<d>/<full|causal>/<n>   Tiled forward + backward of exact attention;
 //        grad/conv_basis/float/d64/k<k>/<n>        Conv-Basis (Grid, k bases) forward + backward;

@@ -3,7 +3,7 @@
 //
 // Names:  exact/tiled/float/d64/<n>
 //         wildcat/float/d64/r<rank>/B<bins>/<n>      n = m in {1024 ... 65536}
-//         wildcat-bar/float/d64/r256/B<bins>/16384     the bar configuration, B in
+//         wildcat-bar/float/d64/r256/B<bins>/16384     the headline configuration, B in
 //                                                       {1,2,4,16}
 //         shape/<biggan|t2t1|t2t2>/<exact|wildcat>     synthetic analogues of the paper's
 //                                                       BigGAN and T2T-ViT attention shapes
@@ -19,7 +19,7 @@
 //   vs_exact: time / time of exact/tiled at the same n measured earlier in this run (< 0.1 means
 //       >= 10x faster); rank: coreset rows used; GFLOP/s: dense-equivalent 2 n m (d + dv).
 // After the run a summary prints the ratios and the log-log slope of time against n per family.
-// Example (the sweep and bar):
+// Example (the sweep and the headline configuration):
 //   bench_wildcat --benchmark_filter='^(exact|wildcat)' --benchmark_min_time=0.2
 #include "common.hpp"
 

@@ -26,7 +26,7 @@ namespace {
 using detail::Isa;
 using Bf16Matrix = Matrix<Eigen::bfloat16>;
 
-// Relative Frobenius error bar of the issue (bf16 keeps 8 significand bits); measured 1.8e-3 to
+// Relative Frobenius error tolerance (bf16 keeps 8 significand bits); measured 1.8e-3 to
 // 4e-3 on these problems (every workload, d, mask and path).
 constexpr double kRelTol = 1e-2;
 // Per-element bound: |O - O_ref| <= kElemTol * max |V|. Each output is a convex combination of

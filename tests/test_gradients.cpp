@@ -1,4 +1,4 @@
-// Gradients (issue 19): every backward against central finite differences of its own forward in
+// Gradients: every backward against central finite differences of its own forward in
 // double, and the tiled / structured backwards against the materialised Naive backward.
 #include "test_utils.hpp"
 
@@ -107,7 +107,7 @@ void check_close(const A& got, const B& want, double tol, const char* what) {
 
 TEMPLATE_TEST_CASE("Exact backward matches central finite differences in double",
                    "[gradients][exact]", policy::Naive, policy::Tiled) {
-  // n = 32, d = 4, h = 1e-6: the issue's bar is 1e-6 relative (measured ~1e-10).
+  // n = 32, d = 4, h = 1e-6: tolerance 1e-6 relative (measured ~1e-10).
   for (const bool causal : {false, true})
     for (const Index m : {32, 45})
       for (const bool with_bias : {false, true}) {
@@ -132,7 +132,7 @@ TEMPLATE_TEST_CASE("Exact backward matches central finite differences in double"
 
 TEMPLATE_TEST_CASE("Tiled backward matches the Naive backward", "[gradients][exact]", float,
                    double) {
-  // Float: 1e-4 relative (the issue's bar); double: 1e-12.
+  // Float: 1e-4 relative; double: 1e-12.
   const double tol = std::is_same<TestType, float>::value ? 1e-4 : 1e-12;
   struct Shape {
     Index n, m, d, dv, bq, bk;
@@ -304,7 +304,7 @@ TEST_CASE("Conv-Basis backward at k = n equals the exact causal gradient",
     const auto ref = exact_backward<double, policy::Naive>(eo, p.Q, p.K, p.V, {}, p.G);
     const auto g = conv_basis_backward(GridConvBasisd(o), p.Q, p.K, p.V, p.G);
     INFO("n " << n);
-    // 1e-10 (the issue's bar; measured <= 2.5e-13).
+    // 1e-10 (measured <= 2.5e-13).
     check_close(g.dQ, ref.dQ, 1e-10, "dQ");
     check_close(g.dK, ref.dK, 1e-10, "dK");
     check_close(g.dV, ref.dV, 1e-10, "dV");
@@ -372,7 +372,7 @@ TEST_CASE("Conv-Basis backward rejects bad dO and mismatched results", "[gradien
 TEST_CASE("Performer backward matches central finite differences of its forward",
           "[gradients][performer]") {
   // The features are fixed by the seed, so the forward is a smooth function of Q, K, V: 1e-6
-  // relative (the issue's bar).
+  // relative.
   for (const Index m : {32, 45}) {
     PerformerOptions o;
     o.samples = 16;

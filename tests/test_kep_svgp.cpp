@@ -4,7 +4,7 @@
 // Oracles are independent of the code under test: the attention kernel is formed here by plain
 // long-double loops, its singular values come from Eigen's two-sided JacobiSVD (not the
 // code under test, whose SVDs are Householder QR + one-sided Jacobi; not Eigen 3.4's BDCSVD, which
-// is wrong on near-degenerate kernels: detail/kep_svgp_impl.hpp), attention from
+// is wrong on near-degenerate kernels: detail/kep_svgp_ksvd.hpp), attention from
 // testing::loop_attention, and every posterior formula is re-evaluated densely. Singular vectors
 // are compared only through sign-invariant quantities (projectors, products, values).
 // Tolerances state the measured value they were set from.
@@ -766,7 +766,7 @@ TEST_CASE("KepSvgp degenerate inputs", "[kep_svgp]") {
     CHECK(e.info == Info::Success);
   }
   SECTION("near-permutation kernels: the dense oracle stays exact") {
-    // The inputs on which Eigen 3.4's BDCSVD, the oracle's engine until 2026-12-01, returned
+    // The inputs on which Eigen 3.4's BDCSVD, the oracle's former engine, returned
     // wrong finite factors (on about one seed in five at this logit scale, AVX-512 builds), NaN,
     // or read out of bounds (plain x86-64 builds): see kep_thin_svd_dense. Full rank must give
     // back the kernel and exact attention, up to the singular values below rank_rtol = 1e-12

@@ -1,9 +1,10 @@
 #!/usr/bin/env python3
-"""Training-step time of the shipped decoder recipe with torch's own attention (matmul, softmax,
-matmul, as train.py trains it) against effattn.torch's exact and EVA attention, in one run.
+"""Training-step time of the shipped models' recipes with torch's own attention (matmul, softmax,
+matmul, as train.py trains it) against effattn.torch's exact attention and the methods train.py
+trains with (at its options), in one run.
 
 One step = forward, cross-entropy, backward, gradient clipping and AdamW, on random bytes at the
-decoder's batch and context (timing does not depend on the data). The attention variants run in
+model's batch and context (timing does not depend on the data). The attention variants run in
 alternation, round after round, after one warm-up step each, so machine noise spreads over all
 of them; the JSON holds every step time, the medians and each variant's median ratio to torch's.
 
@@ -32,11 +33,16 @@ import torch.nn.functional as F  # noqa: E402
 
 import train  # noqa: E402
 
-VARIANTS = [
-    ("torch", None, {}),
-    ("effattn-exact", "exact", {}),
-    ("effattn-eva", "eva", {"window": 64, "chunk_size": 64}),
-]
+# torch's attention, effattn's exact attention, and the methods train.py trains each model
+# with, at train.py's options (ATTENTION).
+VARIANTS = {
+    "decoder": [("torch", None, {}), ("effattn-exact", "exact", {}),
+                ("effattn-eva", *train.ATTENTION["eva"]),
+                ("effattn-conv_basis", *train.ATTENTION["conv_basis"])],
+    "encoder": [("torch", None, {}), ("effattn-exact", "exact", {}),
+                ("effattn-performer", *train.ATTENTION["performer"]),
+                ("effattn-eva", *train.ATTENTION["eva"])],
+}
 
 
 def machine():
@@ -53,11 +59,21 @@ def machine():
 
 
 def step(model, opt, cfg, tokens, autocast):
-    inp, target = tokens[:, :-1], tokens[:, 1:]
+    if cfg["kind"] == train.lm_format.KIND_DECODER:
+        inp, target, masked = tokens[:, :-1], tokens[:, 1:], None
+    else:  # masked-byte prediction: every 7th position masked (timing only)
+        inp, target = tokens[:, :-1].clone(), tokens[:, :-1]
+        masked = torch.zeros_like(inp, dtype=torch.bool)
+        masked[:, ::7] = True
+        inp[masked] = cfg["mask_token"]
     t0 = time.perf_counter()
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
         h = model.hidden(inp, blocks=cfg["attn_blocks"])
-    loss = F.cross_entropy(model.logits(h.float()).reshape(-1, cfg["vocab"]), target.reshape(-1))
+    logits = model.logits(h.float())
+    if masked is None:
+        loss = F.cross_entropy(logits.reshape(-1, cfg["vocab"]), target.reshape(-1))
+    else:
+        loss = F.cross_entropy(logits[masked], target[masked])
     opt.zero_grad(set_to_none=True)
     loss.backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), cfg["grad_clip"])
@@ -82,7 +98,10 @@ def render(result, doc):
               "float32. Ratio < 1: the step is faster than with torch's attention."]
     with open(doc) as f:
         text = f.read()
-    a, b = "<!-- train-step:begin -->", "<!-- train-step:end -->"
+    tag = "train-step" + ("" if result.get("model", "decoder") == "decoder" else "-encoder")
+    a, b = f"<!-- {tag}:begin -->", f"<!-- {tag}:end -->"
+    if a not in text:
+        text += f"\n{a}\n{b}\n"
     head, rest = text.split(a, 1)
     tail = rest.split(b, 1)[1]
     with open(doc, "w") as f:
@@ -92,6 +111,8 @@ def render(result, doc):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rounds", type=int, default=5, help="timed steps per variant and mode")
+    ap.add_argument("--model", choices=("decoder", "encoder"), default="decoder")
+    ap.add_argument("--variants", help="comma-separated subset of the variant names")
     ap.add_argument("--modes", default="autocast,float32")
     ap.add_argument("--batch", type=int, help="default: the decoder's training batch")
     ap.add_argument("--context", type=int, help="default: the decoder's training context")
@@ -104,7 +125,7 @@ def main():
             render(json.load(f), args.render or os.path.join(HERE, "..", "..", "docs", "python.md"))
         return
 
-    cfg = dict(train.CONFIGS["decoder"])
+    cfg = dict(train.CONFIGS[args.model])
     cfg["batch"] = args.batch or cfg["batch"]
     cfg["context"] = args.context or cfg["context"]
     gen = torch.Generator().manual_seed(1)
@@ -113,7 +134,10 @@ def main():
     for mode in args.modes.split(","):
         autocast = mode == "autocast"
         runs = []
-        for name, method, opts in VARIANTS:
+        chosen = VARIANTS[args.model]
+        if args.variants:
+            chosen = [v for v in chosen if v[0] in args.variants.split(",")]
+        for name, method, opts in chosen:
             torch.manual_seed(cfg["seed"])
             model = train.LM(cfg)
             model.reset_parameters()
@@ -134,7 +158,8 @@ def main():
                          "options": opts, "median_seconds": med, "ratio_to_torch": med / base,
                          "seconds": times})
             print(f"{mode:8s} {name:14s} median {med:.3f} s, {med / base:.2f}x torch's step")
-    result = {"what": "decoder training step (forward, backward, AdamW)",
+    result = {"what": f"{args.model} training step (forward, backward, AdamW)",
+              "model": args.model,
               "config": {k: cfg[k] for k in ("batch", "context", "layers", "heads", "kv_heads",
                                              "head_dim", "d_model", "attn_blocks")},
               "rounds": args.rounds, "machine": machine(),

@@ -197,7 +197,9 @@ def render(a):
                  "`weighted_attention`:\n\n" +
                  decode_table(a.out, T))
     with open(os.path.join(a.out, "machine.txt")) as f:
-        parts.append("Measured on: " + "; ".join(l.strip() for l in f if l.strip()) + ".")
+        # The machine, not the date (the result files carry that).
+        parts.append("Measured on: " + "; ".join(
+            l.strip() for l in f if l.strip() and not l.startswith("date:")) + ".")
     text = "\n\n".join(parts)
     with open(a.doc) as f:
         doc = f.read()

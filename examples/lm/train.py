@@ -43,8 +43,7 @@ openblas-pthread (made by `apt-get download libopenblas0-pthread` and
 recorded in reference.json. Results are deterministic for a given machine and library set;
 another BLAS or CPU changes the last bits of training and so the weights.
 
-Measured (2026-11-26, 2 cores shared with another developer's compiles and sweeps; load
-2-3.4): decoder 450 steps in 1012 s, final train loss 1.321 nats (1.906 bits), held-out
+Measured (2 cores, shared): decoder 450 steps in 1012 s, final train loss 1.321 nats (1.906 bits), held-out
 2.032 bpb at 1024 / 2.026 at 2048; encoder 700 steps in 1711 s, final train loss (masked
 positions) 1.120 nats (1.615 bits), held-out 1.817 bpb at 1024 / 1.848 at 2048. Together
 45 minutes of training plus ~1.5 minutes of evaluation and export per model. The exact figures
@@ -100,7 +99,7 @@ sys.path.insert(0, HERE)
 import lm_format  # noqa: E402
 
 RANDOM_ALPHABET = torch.tensor([ord(c) for c in "abcdefghijklmnopqrstuvwxyz "])
-THREADS = 2
+THREADS = int(os.environ.get("EFFATTN_LM_THREADS", "2"))  # torch threads (training, evaluation)
 HELDOUT_BYTES = 131072
 EVAL_CONTEXTS = (1024, 2048)
 FIXTURE_TOKENS = 128

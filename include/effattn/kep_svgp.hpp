@@ -2,7 +2,8 @@
 /// \brief KEP-SVGP: attention as a pair of sparse variational GPs on the kernel-eigen pairs of
 /// the asymmetric attention kernel (Chen, Tao, Tonin, Suykens, "Self-Attention through
 /// Kernel-Eigen Pair Sparse Variational Gaussian Processes", ICML 2024, arXiv 2402.01476), in a
-/// training-free form, plus the KL / KSVD-loss / ELBO utilities a trainer needs (eq. 11, 20, 21).
+/// training-free form, plus the KL / KSVD-loss / ELBO utilities a trainer needs (eq. 11, 20, 21;
+/// in `kep_svgp_training.hpp`, which this header includes).
 ///
 /// \par What is training-free and what is not
 /// The paper's layer is trained: W_q, W_k, the primal projections W_e, W_r, the diagonal Lambda,
@@ -124,7 +125,7 @@ struct PositiveRandomFeatureKernel {
 /// O(n m min(n, m)) time (about 10 sweeps of 3.5 min(n, m)^3; 0.8 s at n = m = 512, 9 s at 1024
 /// on one core of an AMD Zen 5), O(n m) memory, serial, bit-identical for any thread count. Not
 /// Eigen 3.4's BDCSVD, which is faster but returns wrong factors, NaN or reads out of bounds on
-/// near-degenerate kernels (large logits; see detail/kep_svgp_impl.hpp).
+/// near-degenerate kernels (large logits; see detail/kep_svgp_ksvd.hpp).
 struct DenseSvd {};
 /// \ingroup Policies
 /// KEP-SVGP SVD engine: randomized range finder (Halko, Martinsson, Tropp 2011) on the row space
@@ -382,49 +383,10 @@ using KepSvgpAttentionf = KepSvgpAttention<float>;
 /// KEP-SVGP (softmax kernel, randomized KSVD, e-branch), double.
 using KepSvgpAttentiond = KepSvgpAttention<double>;
 
-namespace kepsvgp {
-
-/// KL(q(u) || p(u)) of eq. 21 (Prop. 4.1), p(u_c) = N(0, Lambda^2), q(u_c) = N(m_c, L_c L_c^T),
-/// summed over the dv columns: 1/2 sum_c [ ||Lambda^-1 L_c||_F^2 + m_c^T Lambda^-2 m_c
-/// + log|Lambda^2| - 2 sum_k log L_c,kk - s ]. Accumulated in double; O(dv s^2). (The official
-/// code stores S as one s x s x s tensor, which makes S_c singular for c > 1; here every L_c is a
-/// full factor.)
-/// \throws effattn::invalid_argument on shape mismatch, lambda <= 0, a non-positive diagonal or
-///         a non-zero strictly upper entry of some L_c.
-template <typename Scalar>
-double kl_divergence(const Vector<Scalar>& lambda, const VariationalParams<Scalar>& vp);
-
-/// KSVD regulariser of eq. 11: J^2 with J = -1/2 sum_i e_i^T Lambda^-1 e_i
-/// - 1/2 sum_j r_j^T Lambda^-1 r_j + Tr(W_e^T W_r). Reduction::Mean divides the two sums by
-/// the token counts (official code; then J = 0 is no longer the KKT condition). Double sums;
-/// O((n + m + p) s). \throws effattn::invalid_argument on mismatched shapes or lambda <= 0.
-template <typename Scalar>
-double ksvd_loss(const Matrix<Scalar>& E, const Matrix<Scalar>& R, const Vector<Scalar>& lambda,
-                 const Matrix<Scalar>& We, const Matrix<Scalar>& Wr,
-                 Reduction reduction = Reduction::Sum);
-
-/// ELBO of eq. 20: expected log-likelihood minus kl_weight times the total KL.
-inline double elbo(double expected_loglik, double kl_total, double kl_weight = 1.0) {
-  return expected_loglik - kl_weight * kl_total;
-}
-
-/// Normalised cumulative spectrum (App. D.6): c_k = sum_{m <= k} sigma_m^p / sum_m sigma_m^p over
-/// the values sorted non-increasingly (p = 1 or 2). \throws invalid_argument on negative,
-/// non-finite or all-zero input.
-template <typename Scalar>
-Vector<Scalar> normalized_cumulative_spectrum(const Vector<Scalar>& sigma, Power p = Power::One);
-
-/// lambda from the official code's parameterisation Lambda^-1/2 = exp(theta): lambda =
-/// exp(-2 theta).
-template <typename Scalar>
-Vector<Scalar> from_log_inv_sqrt(const Vector<Scalar>& theta) {
-  return (Scalar(-2) * theta.array()).exp().matrix();
-}
-
-}  // namespace kepsvgp
 }  // namespace effattn
 
 #include "detail/kep_svgp_impl.hpp"
+#include "kep_svgp_training.hpp"
 
 #ifdef EFFATTN_COMPILED
 namespace effattn {

@@ -3,9 +3,9 @@
 /// (the tags `policy::TwoLevel`, `policy::BestFirstDyadic`, `policy::Uniform`, `policy::MeanProb`,
 /// `policy::SumExp` and their runtime forms `vcc::SelectKind`, `vcc::ScoreKind`), the partition
 /// helpers and the count-weighted dyadic tree `VccTree` (T(C) of Zeng et al., NeurIPS 2023,
-/// Sec. 3.4 / App. 6.3). `<effattn/vcc.hpp>` includes it. The definitions (the tree's members and
-/// the selection that `VccTree::select` and `VccAttention` share) are in `detail/vcc_select.hpp`,
-/// included at the end.
+/// Sec. 3.4 / App. 6.3). `<effattn/vcc.hpp>` includes it. The definitions are included at the
+/// end: the selection that `VccTree::select` and `VccAttention` share in `detail/vcc_select.hpp`,
+/// which includes the tree's members and the partition helpers (`detail/vcc_tree_impl.hpp`).
 #pragma once
 
 #include <algorithm>

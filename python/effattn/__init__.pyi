@@ -102,7 +102,8 @@ def attention_backward(
     result: Optional[Result] = None,
     **options: Any,
 ) -> Tuple[npt.NDArray[np.floating], npt.NDArray[np.floating], npt.NDArray[np.floating]]:
-    """(dq, dk, dv) of exact or conv_basis attention for one head, given grad_output."""
+    """(dq, dk, dv) of exact, conv_basis, eva or performer attention for one head, given
+    grad_output (the others raise ValueError)."""
 
 def sdpa_backward(
     q: ArrayLike,
@@ -115,8 +116,8 @@ def sdpa_backward(
     cu_seqlens_k: Optional[Offsets] = None,
     **options: Any,
 ) -> Tuple[npt.NDArray[np.floating], npt.NDArray[np.floating], npt.NDArray[np.floating]]:
-    """(dq, dk, dv) of sdpa (exact or conv_basis) in q's, k's, v's shapes; GQA key / value
-    gradients summed over each group's query heads. Runs the forward first."""
+    """(dq, dk, dv) of sdpa (exact, conv_basis, eva or performer) in q's, k's, v's shapes; GQA
+    key / value gradients summed over each group's query heads. Runs the forward first."""
 
 def compress_kv(k: ArrayLike, v: ArrayLike, q_radius: float = 0.0, **options: Any) -> CompressedKV:
     """WildCat CompressKV of one head (options as for method 'wildcat')."""

@@ -353,6 +353,22 @@ Packed pack_sdpa(const py::array& qa, const py::array& ka, const py::array& va, 
   return p;
 }
 
+/// The gradients of any method with a backward: its forward with the state kept, then the
+/// state's backward (eva, performer; ValueError naming the others).
+py::tuple backward_through_state(Packed p, Runner run, Kwargs& kw, bool causal, const View& dO,
+                                 const std::string& fn) {
+  std::shared_ptr<GradState> state;
+  p.keep = &state;
+  p.per_head = false;
+  const PyResult r = run(p, kw, causal);
+  check_info(r, true, fn);
+  if (!state || !state->has_backward())
+    throw py::value_error(fn + ": method '" + kw.method() +
+                          "' has no backward (gradients exist for exact, conv_basis, eva and "
+                          "performer)");
+  return state->backward(dO);
+}
+
 PyResult sdpa(const py::object& q, const py::object& k, const py::object& v, bool is_causal,
               const std::string& method, const py::object& cu_seqlens_q,
               const py::object& cu_seqlens_k, bool check, bool keep_state,
@@ -413,14 +429,13 @@ py::tuple sdpa_backward(const py::object& q, const py::object& k, const py::obje
   const py::array qa = as_array(q, "q", fn), ka = as_array(k, "k", fn), va = as_array(v, "v", fn),
                   ga = as_array(grad_output, "grad_output", fn);
   Kwargs kw(kwargs, method, fn);
-  if (method != "exact" && method != "conv_basis")
-    throw py::value_error(fn + ": gradients exist for method 'exact' and 'conv_basis'; got '" +
-                          method + "'");
+  const Runner run = find_method(method, fn);
   bool causal = is_causal;
   View dO;
   const Packed p = pack_sdpa(qa, ka, va, causal, method, cu_seqlens_q, cu_seqlens_k, fn, &ga, &dO);
   if (method == "exact") return sdpa_backward_exact(p, kw, causal, dO);
-  return sdpa_backward_conv_basis(p, kw, causal, dO);
+  if (method == "conv_basis") return sdpa_backward_conv_basis(p, kw, causal, dO);
+  return backward_through_state(p, run, kw, causal, dO, fn);
 }
 
 py::tuple attention_backward(const py::object& q, const py::object& k, const py::object& v,
@@ -438,8 +453,11 @@ py::tuple attention_backward(const py::object& q, const py::object& k, const py:
   const View dO = view_2d(ga, p.dtype, "grad_output", fn);
   if (method == "exact") return backward_exact(p, kw, causal, result, dO);
   if (method == "conv_basis") return backward_conv_basis(p, kw, causal, result, dO);
-  throw py::value_error(fn + ": gradients exist for method 'exact' and 'conv_basis'; got '" +
-                        method + "'");
+  if (!result.is_none())
+    throw py::value_error(fn + ": result= is read by methods 'exact' and 'conv_basis' only; '" +
+                          method + "' runs its forward again (pass result=None)");
+  p.out = OutKind::Matrix;
+  return backward_through_state(p, find_method(method, fn), kw, causal, dO, fn);
 }
 
 py::tuple workload(const std::string& kind, Index n, Index d, std::uint64_t seed,
@@ -500,7 +518,7 @@ PYBIND11_MODULE(_effattn, m) {
       "effattn: fast exact and approximate softmax attention on the CPU (C++17 / Eigen).\n\n"
       "attention(q, k, v, method, causal, **options)  one head, (L, d) arrays\n"
       "sdpa(q, k, v, is_causal, method, **options)   (B, H, L, d) arrays, GQA, varlen\n"
-      "attention_backward(...), sdpa_backward(...)   gradients of exact / conv_basis\n"
+      "attention_backward(...), sdpa_backward(...)   gradients (exact, conv_basis, eva, performer)\n"
       "compress_kv(k, v, ...), weighted_attention(q, cache, ...)   WildCat KV caches\n\n"
       "Methods: exact (policy tiled | naive | tiled_bf16), conv_basis, vcc, eva, performer,\n"
       "wildcat, kep_svgp, auto (the fastest that meets target_error). Options are the C++\n"
@@ -657,7 +675,8 @@ then empty). effattn.torch is built on it.)doc");
 Gradients of a loss through sdpa(q, k, v, is_causal, method, ...) given grad_output (the
 output's shape): (dL/dq, dL/dk, dL/dv) with q's, k's and v's shapes (GQA: the key / value
 gradients summed over the query heads of a group). Runs the forward and MultiHead's backward in
-one call; method 'exact' (policies tiled, naive) or 'conv_basis'. Layouts as in sdpa.)doc");
+one call; methods 'exact' (policies tiled, naive), 'conv_basis', 'eva' and 'performer' (the
+others raise ValueError). Layouts as in sdpa.)doc");
 
   m.def(
       "attention_backward", &attention_backward, py::arg("q"), py::arg("k"), py::arg("v"),
@@ -667,10 +686,11 @@ one call; method 'exact' (policies tiled, naive) or 'conv_basis'. Layouts as in 
 
 Gradients of a loss L through attention(q, k, v, method, causal, **options) given
 grad_output = dL/d output (n, dv): returns (dL/dq, dL/dk, dL/dv) as arrays of q's, k's, v's
-shapes. method 'exact' (any policy but tiled_bf16; flash-attention-2 style backward for tiled)
-or 'conv_basis' (gradient with the basis starts frozen at result.offsets; exact at
-num_bases = n). result: the Result of that forward call (its lse / offsets are reused); None
-runs the forward first. One head; inputs are copied to column-major once.)doc");
+shapes. method 'exact' (any policy but tiled_bf16; flash-attention-2 style backward for tiled),
+'conv_basis' (gradient with the basis starts frozen at result.offsets; exact at
+num_bases = n), 'eva' or 'performer' (the gradient of the forward's random draw). result: the
+Result of that forward call (exact, conv_basis: its lse / offsets are reused); None runs the
+forward first. One head; inputs are copied to column-major once.)doc");
 
   m.def("workload", &workload, py::arg("kind"), py::arg("n"), py::arg("d"), py::arg("seed") = 42,
         py::arg("dtype") = "float32",

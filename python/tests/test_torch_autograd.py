@@ -211,3 +211,26 @@ def test_half_precision_inputs_compute_in_float32():
     assert torch.allclose(out, ref, rtol=1e-5, atol=1e-6)
     out.sum().backward()
     assert qb.grad.dtype == torch.bfloat16 and torch.isfinite(qb.grad.float()).all()
+
+
+def test_numpy_level_backward_of_eva_and_performer_matches_effattn_torch():
+    import effattn
+    q, k, v = inputs(1, 4, 2, 24, 24, 8, seed=9)
+    w = torch.randn(1, 4, 24, 8, dtype=torch.float64)
+    for method, causal, opts in [("eva", True, {"window": 8, "chunk_size": 4}),
+                                 ("performer", False, {"samples": 32, "seed": 4})]:
+        ref = torch.autograd.grad((et.attention(q, k, v, method, causal, **opts) * w).sum(),
+                                  (q, k, v))
+        got = effattn.sdpa_backward(q.detach(), k.detach(), v.detach(), w, is_causal=causal,
+                                    method=method, **opts)
+        for a, b in zip(got, ref):
+            assert np.allclose(a, b.numpy(), rtol=1e-12, atol=1e-14)
+        # one head through attention_backward: the same as the (1, 1, L, d) sdpa call
+        one = effattn.attention_backward(q[0, 0].detach(), k[0, 0].detach(), v[0, 0].detach(),
+                                         w[0, 0], method=method, causal=causal, **opts)
+        sd = effattn.sdpa_backward(q[:, :1].detach(), k[:, :1].detach(), v[:, :1].detach(),
+                                   w[:, :1], is_causal=causal, method=method, **opts)
+        for a, b in zip(one, sd):
+            assert np.allclose(a, b[0, 0], rtol=1e-12, atol=1e-14)
+    with pytest.raises(ValueError, match="method 'wildcat' has no backward"):
+        effattn.sdpa_backward(q.detach(), k.detach(), v.detach(), w, method="wildcat", rank=8)

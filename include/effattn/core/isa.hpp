@@ -24,6 +24,7 @@
 
 #include <cstdlib>
 #include <cstring>
+#include <initializer_list>
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__)) && \
     (defined(__clang__) ? __clang_major__ >= 12 : __GNUC__ >= 11) && !defined(EFFATTN_NO_BF16_ISA)

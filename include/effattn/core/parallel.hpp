@@ -84,7 +84,7 @@ inline void advise_huge_pages(const void* data, std::size_t bytes) noexcept {
 /// the threads writing into the same fresh huge page wait for each other. MultiHead's 64 MiB
 /// prefill output (B = 8, L = 512, 32 heads of 128): `compute` took 12-18 ms more than
 /// `compute_into` a reused buffer, 3-4 ms more with the pages populated first (4 calls each, 2
-/// threads, AMD Zen 5, 2026-12-02). Over 64 MiB (4 KiB pages) the one serial call costs more than
+/// threads). Over 64 MiB (4 KiB pages) the one serial call costs more than
 /// the threads' own faults: the 256 MiB output at L = 2048 ran 4-8% slower with it. Values are
 /// unaffected.
 inline void populate_pages(const void* data, std::size_t bytes) noexcept {

@@ -23,7 +23,7 @@ namespace detail {
 /// threads, n = m = 4096, 16384, 65536, r = 64, 256, 1024; docs/methods/auto.md), rounded
 /// up so that the model errs on the expensive side: an
 /// over-estimate only makes AutoAttention probe less. Refitted after WildCat's float selection
-/// (issue 21): the selection measured 0.23-0.52 of the old model (1.8 r^2 m + 5.5 r m D + 1200 m
+/// the selection measured 0.23-0.52 of the old model (1.8 r^2 m + 5.5 r m D + 1200 m
 /// D), which capped the probe at r = 512 on `sphere`, n = 65536, where r = 1024 meets a 1e-2 target
 /// at 0.11 of exact's time. Least squares at m = 65536 gave 0.575 r^2 m + 2.29 r m D + 206 m D
 /// (within 0.7-0.9 of the m = 4096 / 16384 rows); attention 0.87 n r D + 99 n D.

@@ -6,7 +6,7 @@
 /// general block-panel kernel (`gebp_kernel`), its packing routines and its matrix-vector
 /// kernels for each scalar, and optimises them again: measured on the asan preset (clang, -O1
 /// with ASan + UBSan), test_wildcat 71.6 s of compiler CPU without this file, 49.1 s with it,
-/// the whole tree 1168 s against 902 s (AMD Zen 5, 2026-12-02). These members
+/// the whole tree 1168 s against 902 s. These members
 /// are `EIGEN_DONT_INLINE` (never inlined into their callers), so compiling them once changes
 /// no generated code of the callers and no result; the GEMM drivers
 /// (`general_matrix_matrix_product<...>::run`, inline) stay available for inlining as before

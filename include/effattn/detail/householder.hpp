@@ -4,8 +4,8 @@
 ///
 /// Why not `Eigen::HouseholderQR`: instantiating it (its blocked factorisation and its
 /// `HouseholderSequence` with their triangular block updates) cost about 4.5 s and 200 MB of
-/// g++ -O2 in every translation unit that calls `KepSvgpAttention<float>` (measured on an Intel
-/// Xeon, 2026-12-04: 12.4 s for such a TU, 7.7 s with every QR taken out). This file reuses the
+/// g++ -O2 in every translation unit that calls `KepSvgpAttention<float>` (measured:
+/// 12.4 s for such a TU, 7.7 s with every QR taken out). This file reuses the
 /// library's `gemm` (already instantiated by the methods) for everything larger than a vector
 /// operation.
 ///
@@ -18,7 +18,7 @@
 /// orthogonal to working precision whatever the rank of A. Cost 2 rows cols^2 - 2/3 cols^3 flops
 /// (tall), about two thirds of it in the trailing GEMMs.
 ///
-/// Against Eigen's HouseholderQR (which KEP-SVGP used until 2026-12-04): the same reflectors
+/// Against Eigen's HouseholderQR (which KEP-SVGP used before): the same reflectors
 /// (same sign convention and scaling), summed in another order, so R, Q and every KEP-SVGP
 /// output differ from before by Scalar round-off (relative 6e-7 to 3e-6 in float, 4e-15 to 6e-15
 /// in double on the test suite's workloads; errors against exact attention unchanged).

@@ -1,13 +1,13 @@
 /// \file jacobi_svd.hpp
 /// \brief Private: thin SVD of a tall or wide matrix by Householder QR and one-sided (Hestenes)
 /// Jacobi on the triangular factor, in double. KEP-SVGP's randomized and factorised engines
-/// (detail/kep_svgp_impl.hpp) take it for their small SVDs (n x (s + p) and p x p), and the dense
+/// (detail/kep_svgp_ksvd.hpp) take it for their small SVDs (n x (s + p) and p x p), and the dense
 /// oracle for the whole kernel.
 ///
 /// Why not Eigen's BDCSVD: instantiating `BDCSVD<MatrixXf>` (with the JacobiSVD and the two
 /// column-pivoting QR preconditioners it pulls in) was the most expensive code of the library to
 /// compile: about 25 s and 1 GB of g++ -O2 per scalar type, most of the 44 s a user TU paid for
-/// `KepSvgpAttention<float>` (measured 2026-11-28, AMD EPYC Zen 5). This file costs about 1 s:
+/// `KepSvgpAttention<float>` (measured). This file costs about 1 s:
 /// Householder QR (already used by the range finder) and a loop of plane rotations.
 ///
 /// Accuracy: the QR runs in Scalar (backward stable, as BDCSVD is); the Jacobi sweeps run in double
@@ -18,7 +18,7 @@
 /// fine for the sketch widths of KEP-SVGP (k = s + p = 20 by default; 0.5 s at k = 512). The
 /// dense oracle (policy::DenseSvd) takes it too, on the whole n x m kernel (9 s at n = m = 1024):
 /// Eigen 3.4's BDCSVD is faster but not reliable on near-degenerate kernels
-/// (detail/kep_svgp_impl.hpp, `kep_thin_svd_dense`).
+/// (detail/kep_svgp_ksvd.hpp, `kep_thin_svd_dense`).
 #pragma once
 
 #include <Eigen/Jacobi>
