@@ -32,6 +32,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import train  # noqa: E402
+from doc_markers import write_between_markers  # noqa: E402
 
 # torch's attention, effattn's exact attention, and the methods train.py trains each model
 # with, at train.py's options (ATTENTION).
@@ -96,16 +97,8 @@ def render(result, doc):
     lines += ["", "`autocast`: bf16 matmuls under `torch.autocast` (how train.py trains; torch's "
               "attention products run in bf16, effattn's in float32); `float32`: everything in "
               "float32. Ratio < 1: the step is faster than with torch's attention."]
-    with open(doc) as f:
-        text = f.read()
-    tag = "train-step" + ("" if result.get("model", "decoder") == "decoder" else "-encoder")
-    a, b = f"<!-- {tag}:begin -->", f"<!-- {tag}:end -->"
-    if a not in text:
-        text += f"\n{a}\n{b}\n"
-    head, rest = text.split(a, 1)
-    tail = rest.split(b, 1)[1]
-    with open(doc, "w") as f:
-        f.write(head + a + "\n" + "\n".join(lines) + "\n" + b + tail)
+    encoder = result.get("model", "decoder") == "encoder"
+    write_between_markers(doc, "train-step-encoder" if encoder else "train-step", lines)
 
 
 def main():

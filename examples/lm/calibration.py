@@ -38,6 +38,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import effattn  # noqa: E402
+from doc_markers import write_between_markers  # noqa: E402
 import lm_format  # noqa: E402
 import train  # noqa: E402
 
@@ -203,14 +204,7 @@ def render(result, doc):
         av = f"{m['auroc_variance']:.3f}" if "auroc_variance" in m else ""
         lines.append(f"| {r['name']} | {m['accuracy']:.4f} | {m['ece']:.4f} | {m['nll']:.4f} | "
                      f"{m['brier']:.4f} | {m['auroc']:.3f} | {av} |")
-    with open(doc) as f:
-        text = f.read()
-    a, b = "<!-- calibration:begin -->", "<!-- calibration:end -->"
-    if a not in text:
-        text += f"\n{a}\n{b}\n"
-    head, rest = text.split(a, 1)
-    with open(doc, "w") as f:
-        f.write(head + a + "\n" + "\n".join(lines) + "\n" + b + rest.split(b, 1)[1])
+    write_between_markers(doc, "calibration", lines)
 
 
 def main():

@@ -18,6 +18,8 @@ import os
 import subprocess
 import time
 
+from doc_markers import write_between_markers
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 # (model kind, method, effattn-lm budget = the options train.py's ATTENTION uses)
@@ -109,20 +111,14 @@ def render(result, doc):
         speed = f"{tps / base:.2f}x" if base and tps and r["run_with"] != "exact" else ""
         name = r["run_with"] + (f" ({r['budget']})" if r["budget"] else "")
         lines.append(f"| {r['model']} | {r['trained_with']} | {name} | {bpb} | {tb} | {speed} |")
-    with open(doc) as f:
-        text = f.read()
-    a, b = "<!-- trained:begin -->", "<!-- trained:end -->"
-    if a not in text:
-        text += f"\n{a}\n{b}\n"
-    head, rest = text.split(a, 1)
-    with open(doc, "w") as f:
-        f.write(head + a + "\n" + "\n".join(lines) + "\n" + b + rest.split(b, 1)[1])
+    write_between_markers(doc, "trained", lines)
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--lm", help="the effattn-lm binary")
-    ap.add_argument("--seed2", default=os.path.join(HERE, "..", "..", ".cache", "lm-seed2"))
+    ap.add_argument("--seed2", default=HERE, help="where <model>-seed2.eflm and its reference.json "
+                    "entry are (train.py --seed-offset 1 --out DIR; the shipped ones: here)")
     ap.add_argument("--windows", type=int, default=16)
     ap.add_argument("--contexts", default="1024,2048")
     ap.add_argument("--force", action="store_true")
