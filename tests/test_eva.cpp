@@ -700,9 +700,10 @@ TEST_CASE("EVA beats local attention, and Performer at equal budget", "[eva][qua
   // error is averaged over 4 seeds. Local-only = exact attention within each 64-block. Measured
   // relative Frobenius errors (EVA / Performer / local-only):
   //   positional 0.284 / 1.17 / 1.23,  gaussian 0.941 / 4.59 / 3.85,  clustered 3.27 / 0.66 / 4.23.
-  // On clustered EVA loses to Performer (not asserted; see docs/methods/eva.md): chunks are contiguous in
-  // position while clusters are not, so every chunk mixes clusters and the training-free mass
-  // estimate (LogCount, or GaussianDiag at 2.99) misses the same-cluster keys inside it.
+  // On clustered EVA loses to Performer (not asserted; see docs/methods/eva.md): chunks are
+  // contiguous in position while clusters are not, so every chunk mixes clusters and the
+  // training-free mass estimate (LogCount, or GaussianDiag at 2.99) misses the same-cluster keys
+  // inside it.
   const Index n = 1024, d = 64, W = 64;
   EvaOptions o;
   o.window = W;
