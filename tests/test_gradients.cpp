@@ -1,5 +1,6 @@
 // Gradients: every backward against central finite differences of its own forward in
 // double, and the tiled / structured backwards against the materialised Naive backward.
+#include "per_head.hpp"
 #include "test_utils.hpp"
 
 #include <effattn/conv_basis.hpp>
@@ -206,21 +207,24 @@ TEST_CASE("Tiled backward is bit-identical for 1 and 2 threads", "[gradients][ex
   }
 }
 
+/// Checks that `call()` throws effattn::invalid_argument with `word` in its message.
+template <typename Call>
+void throws_naming(Call call, const std::string& word) {
+  try {
+    (void)call();
+    FAIL("no exception; expected one naming " << word);
+  } catch (const effattn::invalid_argument& e) {
+    INFO(e.what());
+    CHECK(std::string(e.what()).find(word) != std::string::npos);
+  }
+}
+
 TEMPLATE_TEST_CASE("Exact backward rejects bad dO and mismatched results", "[gradients][exact]",
                    policy::Naive, policy::Tiled) {
   const Problem p = make_problem(20, 30, 4, 5, false, 3);
   const ExactAttention<double, TestType> f;
   const auto r = f.compute(p.Q, p.K, p.V);
   REQUIRE_NOTHROW(f.backward(p.Q, p.K, p.V, r, p.G));
-  auto throws_naming = [&](auto call, const std::string& word) {
-    try {
-      (void)call();
-      FAIL("no exception; expected one naming " << word);
-    } catch (const effattn::invalid_argument& e) {
-      INFO(e.what());
-      CHECK(std::string(e.what()).find(word) != std::string::npos);
-    }
-  };
   throws_naming([&] { return f.backward(p.Q, p.K, p.V, r, p.G.topRows(19)); }, "dO");
   throws_naming([&] { return f.backward(p.Q, p.K, p.V, r, p.G.leftCols(4)); }, "dO");
   Matrix<double> bad = p.G;
@@ -508,7 +512,7 @@ TEST_CASE("EVA backward matches central finite differences over the option grid"
   // Every shape regime x samples {0, 1, 3} x both partitions, with the mass and the proposal
   // cycling so that each of their 12 pairs meets several shapes. h = 1e-6: the largest relative
   // error measured over the grid is 5.4e-9 (round-off of the loss / h, ~1e-15 / 1e-6); 1e-6 is
-  // the bar of the other methods' checks.
+  // the tolerance of the other methods' checks.
   struct Shape {
     Index n, m;
     bool causal;
@@ -705,15 +709,6 @@ TEST_CASE("EVA backward rejects bad dO and mismatched results", "[gradients][eva
   const EvaAttentiond f(o);
   const auto r = f.compute(p.Q, p.K, p.V);
   REQUIRE_NOTHROW(f.backward(p.Q, p.K, p.V, r, p.G));
-  auto throws_naming = [&](auto call, const std::string& word) {
-    try {
-      (void)call();
-      FAIL("no exception; expected one naming " << word);
-    } catch (const effattn::invalid_argument& e) {
-      INFO(e.what());
-      CHECK(std::string(e.what()).find(word) != std::string::npos);
-    }
-  };
   throws_naming([&] { return f.backward(p.Q, p.K, p.V, r, p.G.topRows(23)); }, "dO");
   throws_naming([&] { return f.backward(p.Q, p.K, p.V, r, p.G.leftCols(2)); }, "dO");
   Matrix<double> bad = p.G;
@@ -768,24 +763,8 @@ TEST_CASE("MultiHead<EVA> backward equals per-head backward calls",
     const auto fwd = mh.compute(Q, K, V, cu, cu);
     REQUIRE(fwd.info == Info::Success);
     const auto g = mh.backward(Q, K, V, fwd, dO, cu, cu);
-    Matrix<double> rq = Matrix<double>::Zero(T, H * d), rk = Matrix<double>::Zero(T, G * d),
-                   rv = Matrix<double>::Zero(T, G * dv);
-    const EvaAttentiond f(o);
-    detail::run_serial([&] {
-      for (std::size_t b = 0; b + 1 < cu.size(); ++b) {
-        const Index r0 = cu[b], n = cu[b + 1] - r0;
-        if (n == 0) continue;
-        for (Index h = 0; h < H; ++h) {
-          const Index kv = h / (H / G);
-          const Matrix<double> q = Q.block(r0, h * d, n, d), k = K.block(r0, kv * d, n, d),
-                               v = V.block(r0, kv * dv, n, dv), go = dO.block(r0, h * dv, n, dv);
-          const auto gr = f.backward(q, k, v, f.compute(q, k, v), go);
-          rq.block(r0, h * d, n, d) = gr.dQ;
-          rk.block(r0, kv * d, n, d) += gr.dK;
-          rv.block(r0, kv * dv, n, dv) += gr.dV;
-        }
-      }
-    });
+    const auto ref = testing::per_head_backward(EvaAttentiond(o), {H, G}, Q, K, V, dO, cu);
+    const Matrix<double>&rq = ref[0], &rk = ref[1], &rv = ref[2];
     INFO("causal " << causal);
     // The same per-head arithmetic on the same values: measured 0 (1e-13 allows for the
     // packed slices' different strides).

@@ -2,6 +2,7 @@
 // per-(sequence, head) single calls; decoding equals the double-precision reference; bad input
 // throws invalid_argument naming the argument; results do not depend on the thread count.
 #include "method_configs.hpp"
+#include "per_head.hpp"
 #include "test_utils.hpp"
 
 #include <effattn/multi_head.hpp>
@@ -509,33 +510,7 @@ TEMPLATE_TEST_CASE("MultiHead decoding from a preallocated cache (seqused_k)",
 
 namespace {
 
-/// Per-(sequence, head) forward and backward calls of F on column-major copies, dK and dV summed
-/// over each group's query heads in head order: the reference of MultiHead<F>::backward.
-template <typename F, typename S>
-std::array<Matrix<S>, 3> per_head_backward(const F& f, const HeadLayout& L, const Matrix<S>& Q,
-                                           const Matrix<S>& K, const Matrix<S>& V,
-                                           const Matrix<S>& dO, const SeqOffsets& cu) {
-  const Index H = L.heads, G = L.kv_heads, d = Q.cols() / H, dv = V.cols() / G;
-  std::array<Matrix<S>, 3> g = {Matrix<S>::Zero(Q.rows(), H * d), Matrix<S>::Zero(K.rows(), G * d),
-                                Matrix<S>::Zero(V.rows(), G * dv)};
-  detail::run_serial([&] {
-    for (std::size_t b = 0; b + 1 < cu.size(); ++b) {
-      const Index r0 = cu[b], n = cu[b + 1] - r0;
-      if (n == 0) continue;
-      for (Index h = 0; h < H; ++h) {
-        const Index kv = h / (H / G);
-        const Matrix<S> q = Q.block(r0, h * d, n, d), k = K.block(r0, kv * d, n, d),
-                        v = V.block(r0, kv * dv, n, dv), go = dO.block(r0, h * dv, n, dv);
-        const auto res = f.compute(q, k, v);
-        const auto gr = f.backward(q, k, v, res, go);
-        g[0].block(r0, h * d, n, d) = gr.dQ;
-        g[1].block(r0, kv * d, n, d) += gr.dK;
-        g[2].block(r0, kv * dv, n, dv) += gr.dV;
-      }
-    }
-  });
-  return g;
-}
+using effattn::testing::per_head_backward;
 
 template <typename F>
 void check_backward_against_per_head(double tol) {

@@ -24,6 +24,24 @@ def softmax_attention(q, k, v, causal=False, scale=None):
     return (p / z) @ v, (mx + np.log(z))[:, 0]
 
 
+def torch_attention(q, k, v, causal=False):
+    """softmax(q k^T / sqrt(d) [+ bottom-right causal mask]) v with torch in float64 (the
+    oracle of the torch tests; differentiable). q (..., L, d); k, v (..., S, d) with fewer heads
+    than q in dim -3 are repeated (GQA: query head h reads key / value head h // (H / G))."""
+    import torch  # only the torch tests call this; they skip without torch
+
+    q, k, v = (x.double() for x in (q, k, v))
+    if q.dim() >= 3 and k.shape[-3] != q.shape[-3]:
+        r = q.shape[-3] // k.shape[-3]
+        k, v = k.repeat_interleave(r, dim=-3), v.repeat_interleave(r, dim=-3)
+    logits = q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5
+    if causal:
+        L, S = q.shape[-2], k.shape[-2]
+        mask = torch.ones(L, S, dtype=torch.bool).tril(diagonal=S - L)
+        logits = logits.masked_fill(~mask, float("-inf"))
+    return torch.softmax(logits, dim=-1) @ v
+
+
 def mean_baseline(v, n, causal=False):
     """The uniform-attention baseline: every query returns the mean of the values it sees."""
     v = np.asarray(v, dtype=np.float64)

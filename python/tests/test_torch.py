@@ -7,20 +7,9 @@ import numpy as np
 import pytest
 
 import effattn
-from conftest import rel_err
+from conftest import rel_err, torch_attention
 
 torch = pytest.importorskip("torch", reason="torch is not installed (apt-get install python3-torch)")
-
-
-def torch_attention(q, k, v, causal=False):
-    """softmax(q k^T / sqrt(d) + mask) v in torch, float64; q, k, v (..., L, d)."""
-    q, k, v = (x.double() for x in (q, k, v))
-    logits = q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5
-    if causal:
-        L, S = q.shape[-2], k.shape[-2]
-        mask = torch.ones(L, S, dtype=torch.bool).tril(diagonal=S - L)
-        logits = logits.masked_fill(~mask, float("-inf"))
-    return torch.softmax(logits, dim=-1) @ v
 
 
 @pytest.mark.parametrize("causal", [False, True])
