@@ -615,6 +615,92 @@ TEST_CASE("KepSvgp KSVD loss vanishes exactly at the KSVD", "[kep_svgp]") {
         1e-12 * J * J);
 }
 
+TEST_CASE("KepSvgp learned layer at the KSVD is the rank-s attention; its variance is G S G^T",
+          "[kep_svgp]") {
+  const Index n = 60, m = 60, d = 8, dv = 3;
+  const Matrix<double> Q = randn<double>(n, d, 41), K = randn<double>(m, d, 42),
+                       V = randn<double>(m, dv, 43);
+  const Matrix<double> Pq = Q.rowwise().normalized(), Pk = K.rowwise().normalized();
+  for (const Index s : {Index(3), d}) {
+    const auto r = run<double, policy::FactorizedSvd, policy::CosineKernel>(Q, K, V, s);
+    // The primal projections of the KSVD (KKT point, eq. 28) and m_u = Lambda H_r^T V make the
+    // learned layer's e-branch mean K H_r H_r^T V: rank-s attention of the cosine kernel, and at
+    // s = d exactly Qhat Khat^T V, formed here directly.
+    ks::LearnedLayer<double> layer;
+    layer.W_e = Pk.transpose() * r.ksvd.Hr;
+    layer.W_r = Pq.transpose() * r.ksvd.He;
+    layer.lambda = r.ksvd.lambda;
+    layer.vp.m_u = r.ksvd.lambda.asDiagonal() * (r.ksvd.Hr.transpose() * V);
+    for (Index c = 0; c < dv; ++c) layer.vp.L_u.push_back(Matrix<double>::Identity(s, s));
+    const auto post = ks::learned_layer<double>(Q, K, layer, ks::LearnedMerge::EOnly);
+    const Matrix<double> Hr = r.ksvd.Hr;
+    const Matrix<double> Kc = Pq * Pk.transpose();
+    const Matrix<double> want = Kc * Hr * Hr.transpose() * V;
+    report("learned mean vs K_s V", rel_fro_error(post.mean, want));
+    CHECK(rel_fro_error(post.mean, want) <= 1e-12);  // measured 2e-15
+    if (s == d) CHECK(rel_fro_error(post.mean, Matrix<double>(Kc * V)) <= 1e-12);
+    CHECK(rel_fro_error(post.E, Matrix<double>(Kc * Hr)) <= 1e-12);
+  }
+  // Variance of column c = g_i^T S_c g_i with S_c = L_c L_c^T, g_i = Lambda^-1 (e_i + r_i), from a
+  // dense S_c; the mean by explicit loops.
+  const Index s = 5;
+  ks::LearnedLayer<double> layer;
+  layer.W_e = randn<double>(d, s, 44);
+  layer.W_r = randn<double>(d, s, 45);
+  layer.lambda = randn<double>(s, 1, 46).cwiseAbs().array() + 0.2;
+  layer.vp = random_vp<double>(s, dv, 47);
+  const auto post = ks::learned_layer<double>(Q, K, layer);
+  double err_mean = 0, err_var = 0;
+  for (Index i = 0; i < n; ++i) {
+    Eigen::VectorXd g(s);
+    for (Index t = 0; t < s; ++t) {
+      double e = 0, r = 0;
+      for (Index j = 0; j < d; ++j) {
+        e += Pq(i, j) * layer.W_e(j, t);
+        r += Pk(i, j) * layer.W_r(j, t);
+      }
+      g(t) = (e + r) / layer.lambda(t);
+    }
+    for (Index c = 0; c < dv; ++c) {
+      const Matrix<double> S = layer.vp.L_u[static_cast<std::size_t>(c)] *
+                               layer.vp.L_u[static_cast<std::size_t>(c)].transpose();
+      const double mean = g.dot(layer.vp.m_u.col(c)), var = g.dot(S * g);
+      err_mean = std::max(err_mean, std::abs(post.mean(i, c) - mean) / (1 + std::abs(mean)));
+      err_var = std::max(err_var, std::abs(post.variance(i, c) - var) / var);
+    }
+  }
+  report("learned mean loops", err_mean);
+  report("learned var dense S", err_var);
+  CHECK(err_mean <= 1e-12);  // measured 4e-16
+  CHECK(err_var <= 1e-12);   // measured 5e-16
+  // float against the double result.
+  ks::LearnedLayer<float> lf;
+  lf.W_e = layer.W_e.cast<float>();
+  lf.W_r = layer.W_r.cast<float>();
+  lf.lambda = layer.lambda.cast<float>();
+  lf.vp.m_u = layer.vp.m_u.cast<float>();
+  for (const auto& L : layer.vp.L_u) lf.vp.L_u.push_back(L.cast<float>());
+  const auto pf = ks::learned_layer<float>(Q.cast<float>(), K.cast<float>(), lf);
+  CHECK(rel_fro_error(Matrix<double>(pf.mean.cast<double>()), post.mean) <= 1e-5);
+  CHECK(rel_fro_error(Matrix<double>(pf.variance.cast<double>()), post.variance) <= 1e-5);
+  // Bad input throws.
+  auto bad = layer;
+  bad.lambda(2) = 0;
+  CHECK_THROWS_AS(ks::learned_layer<double>(Q, K, bad), effattn::invalid_argument);
+  bad = layer;
+  bad.W_r.resize(d + 1, s);
+  CHECK_THROWS_AS(ks::learned_layer<double>(Q, K, bad), effattn::invalid_argument);
+  bad = layer;
+  bad.vp.L_u.pop_back();
+  CHECK_THROWS_AS(ks::learned_layer<double>(Q, K, bad), effattn::invalid_argument);
+  const Matrix<double> K2 = K.topRows(m - 1);
+  CHECK_THROWS_AS(ks::learned_layer<double>(Q, K2, layer), effattn::invalid_argument);
+  CHECK_NOTHROW(ks::learned_layer<double>(Q, K2, layer, ks::LearnedMerge::EOnly));
+  Matrix<double> Qn = Q;
+  Qn(3, 1) = std::numeric_limits<double>::quiet_NaN();
+  CHECK_THROWS_AS(ks::learned_layer<double>(Qn, K, layer), effattn::invalid_argument);
+}
+
 TEST_CASE("KepSvgp normalised cumulative spectrum", "[kep_svgp]") {
   Eigen::VectorXd sg(4);
   sg << 1.0, 3.0, 0.0, 2.0;

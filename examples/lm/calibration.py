@@ -18,6 +18,11 @@ Rows (each one a weight file and how its attention runs):
                                 the predictive's maximum; AUROC also by the negative variance
   <model>-<method>              an encoder trained with an effattn method (train.py
                                 --attention), run with it
+  trained with kep_svgp         the encoder trained with KEP-SVGP's learned layer in its last
+                                layer (train.py --attention kep_svgp), that layer run by
+                                effattn.kep_svgp_layer (C++): predictive = the mean of `samples`
+                                softmaxes, each with one posterior draw per token and column (as
+                                the paper's 10 stochastic passes); AUROC also by the variance
 
     PYTHONPATH=build/python/python python3 examples/lm/calibration.py \\
         --out examples/lm/results/calibration.json --render docs/real_models.md
@@ -51,8 +56,12 @@ def load(path, attention="softmax"):
     header, tensors, _ = lm_format.read_eflm(path)
     cfg = dict(train.CONFIGS["encoder"], **{k: header[k] for k in lm_format.HEADER_U32})
     cfg["rope_base"], cfg["norm_eps"] = header["rope_base"], header["norm_eps"]
+    if attention == "kep_svgp":
+        cfg["kep_svgp"] = dict(train.KEP_SVGP)
     model = train.LM(cfg)
     train.load_format_tensors(model, tensors)
+    if attention == "kep_svgp":
+        train.load_kep(model, train.kep_path(path))
     train.use_attention(model, attention)
     return model
 
@@ -67,10 +76,52 @@ def windows(heldout):
     return out
 
 
+def posthoc_last_layer(model, q, k, v):
+    """effattn's training-free KEP-SVGP (sdpa) on the last layer's q, k, v (B x T x heads x hd):
+    (mean, variance) B x T x H x hd and the map from a draw to the attention output (identity)."""
+    B, T, H, hd = q.shape
+    r = effattn.sdpa(q.transpose(1, 2).numpy(), k.transpose(1, 2).numpy(),
+                     v.transpose(1, 2).numpy(), method="kep_svgp", **KEP_OPTIONS)
+    mean = torch.from_numpy(np.ascontiguousarray(r.output)).transpose(1, 2)  # B T H hd
+    var = torch.stack([torch.stack([torch.from_numpy(r.heads[b * H + j].variance)
+                                    for j in range(H)], 1) for b in range(B)])  # B T H hd
+    return mean, var.clamp_min(0).to(mean.dtype), lambda a: a, var.sum(dim=(2, 3)).double()
+
+
+def learned_last_layer(model, q, k, v):
+    """The trained KEP-SVGP layer run by effattn.kep_svgp_layer (C++), head by head:
+    (mean, variance) B x T x H x s of the GP output F, the map F -> F W_add^T per head, and the
+    variance of the layer's output (F W_add^T, entries of F independent) summed over heads and
+    columns, B x T."""
+    B, T, H, hd = q.shape
+    w_e, w_r, lam, m_u, l_u = (x.detach().numpy() for x in model.kep_params())
+    merge = model.cfg["kep_svgp"]["merge"]
+    means, vars_ = [], []
+    for b in range(B):
+        mb, vb = [], []
+        for h in range(H):
+            mean, var, _, _ = effattn.kep_svgp_layer(q[b, :, h].numpy(), k[b, :, h].numpy(),
+                                                     w_e[h], w_r[h], lam[h], m_u[h], l_u[h],
+                                                     merge=merge)
+            mb.append(torch.from_numpy(mean))
+            vb.append(torch.from_numpy(var))
+        means.append(torch.stack(mb, 1))
+        vars_.append(torch.stack(vb, 1))
+    mean, var = torch.stack(means), torch.stack(vars_)  # B T H s
+    w_add = model.kep["w_add"].detach()  # H x hd x s
+
+    def project(f):
+        return torch.einsum("bths,hcs->bthc", f, w_add)
+
+    out_var = torch.einsum("bths,hcs->bthc", var, w_add.square())
+    return mean, var, project, out_var.sum(dim=(2, 3)).double()
+
+
 @torch.no_grad()
 def hidden_sampled(model, tokens, samples, gen):
-    """LM.hidden with effattn's KEP-SVGP in the last layer; returns (list of `samples` hidden
-    states, B x T attention variance summed over heads and value columns)."""
+    """LM.hidden with KEP-SVGP in the last layer (effattn's training-free form, or the trained
+    layer when the model has one); returns (list of `samples` hidden states, B x T variance of
+    the last layer's attention output summed over heads and value columns)."""
     c = model.cfg
     B, T = tokens.shape
     H, G, hd, eps = c["heads"], c["kv_heads"], c["head_dim"], c["norm_eps"]
@@ -89,20 +140,17 @@ def hidden_sampled(model, tokens, samples, gen):
             h = train.rmsnorm(x, p(pre + "mlp_norm"), eps)
             x = x + F.linear(F.gelu(F.linear(h, p(pre + "w1"))), p(pre + "w2"))
             continue
-        r = effattn.sdpa(q.transpose(1, 2).numpy(), k.transpose(1, 2).numpy(),
-                         v.transpose(1, 2).numpy(), method="kep_svgp", **KEP_OPTIONS)
-        mean = torch.from_numpy(np.ascontiguousarray(r.output)).transpose(1, 2)  # B T H hd
-        var = torch.stack([torch.stack([torch.from_numpy(r.heads[b * H + j].variance)
-                                        for j in range(H)], 1) for b in range(B)])  # B T H hd
-        var = var.clamp_min(0).to(mean.dtype)
+        last_layer = learned_last_layer if model.kep is not None else posthoc_last_layer
+        mean, var, project, total_var = last_layer(model, q, k, v)
         outs = []
         for _ in range(samples):
-            a = mean + var.sqrt() * torch.randn(mean.shape, generator=gen, dtype=mean.dtype)
+            f = mean + var.sqrt() * torch.randn(mean.shape, generator=gen, dtype=mean.dtype)
+            a = project(f).to(x.dtype)
             y = x + F.linear(a.reshape(B, T, H * hd), p(pre + "wo"))
             h2 = train.rmsnorm(y, p(pre + "mlp_norm"), eps)
             y = y + F.linear(F.gelu(F.linear(h2, p(pre + "w1"))), p(pre + "w2"))
             outs.append(train.rmsnorm(y, p("final_norm"), eps))
-        return outs, var.sum(dim=(2, 3)).double()
+        return outs, total_var
     raise AssertionError("unreachable")
 
 
@@ -246,6 +294,12 @@ def main():
             print(f"calibration: {path} not found; row skipped", flush=True)
             continue
         model = load(path, method)
+        if method == "kep_svgp":  # the paper's predictive: stochastic passes, averaged
+            pm, tm, um = predictions(model, score, kep_samples=args.samples)
+            rows.append({"name": f"trained with kep_svgp (last layer, rank "
+                                 f"{model.cfg['kep_svgp']['rank']}, {args.samples} samples)",
+                         "metrics": metrics(pm, tm, um)})
+            continue
         pm, tm, _ = predictions(model, score)
         rows.append({"name": f"trained with {method}", "metrics": metrics(pm, tm)})
     for r in rows:

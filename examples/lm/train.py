@@ -92,6 +92,7 @@ def _maybe_reexec_with_openblas():
 if __name__ == "__main__":
     _maybe_reexec_with_openblas()
 
+import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
@@ -139,10 +140,32 @@ ATTENTION = {
     "eva": ("eva", {"window": 64, "chunk_size": 16}),
     "performer": ("performer", {"samples": 256, "seed": 42}),
     "conv_basis": ("conv_basis", {"num_bases": 16}),
+    "kep_svgp": None,  # softmax in every layer but the last, which is KEP_SVGP's learned layer
 }
 # Which model kinds a method can train: the causal-only and non-causal methods.
 ATTENTION_MODELS = {"softmax": ("decoder", "encoder"), "eva": ("decoder", "encoder"),
-                    "performer": ("encoder",), "conv_basis": ("decoder",)}
+                    "performer": ("encoder",), "conv_basis": ("decoder",),
+                    "kep_svgp": ("encoder",)}
+
+# `--attention kep_svgp`: KEP-SVGP's learned layer (effattn.torch.kep_svgp_layer, pinned to
+# effattn.kep_svgp_layer) in the encoder's last attention layer, as its paper trains it for
+# text: last layer only, cosine kernel, addition merge, rank s = 10, per head; loss = masked-byte
+# cross-entropy + eta_ksvd * J^2 (the KSVD loss with means, averaged over windows and heads) +
+# eta_kl * KL (summed over heads), with its code's weights for the addition merge (eta_ksvd 1,
+# eta_kl 1) and initialisation (W_e, W_r orthogonal, Lambda^-1/2 = exp(U(0, 1)), m_u and the
+# factors' log-diagonal and strictly lower part N(0, 1), W_add as torch's Linear(s, head_dim)).
+# One posterior draw per token and value column in training (marginal sampling); the posterior
+# mean for held-out bits per byte. Two deviations from the official code: W_e and W_r are
+# parameters (eq. 10) rather than generated from 100 subsampled tokens of the layer input, and
+# the layer keeps the model's RoPE on q and k (a rotation: the cosine kernel is unchanged in form).
+# The KEP parameters are excluded from weight decay (the KL is their prior). Its weights:
+# weights/encoder-kep_svgp.eflm (the rest of the model; the last layer's wv is unused) and
+# weights/encoder-kep_svgp.kep.npz (the layer's parameters, fp16-rounded, stored as float32).
+# Gradient clipping (at grad_clip, as every recipe) is applied to the KEP parameters and to the
+# rest of the model separately: the KL's gradient (thousands of nats at initialisation) would
+# otherwise set the global norm and scale the cross-entropy's gradient of every other weight
+# down by as much (measured: the training loss stalled at 3.0 nats from step 40 to 200).
+KEP_SVGP = dict(rank=10, merge="addition", eta_ksvd=1.0, eta_kl=1.0, clip="separate")
 
 
 def output_name(model, attention, seed_offset):
@@ -205,6 +228,20 @@ class LM(torch.nn.Module):
                                 ("w1", (Fd, D)), ("w2", (D, Fd))):
                 self.params[(p + name).replace(".", "_")] = P(torch.empty(shape))
         self.params["final_norm"] = P(torch.empty(D))
+        # KEP-SVGP's learned layer in the last attention layer (KEP_SVGP), per head h:
+        # w_e, w_r (H, hd, s); theta (H, s) with Lambda^-1/2 = exp(theta); m_u (H, s, s);
+        # the factors L_c = tril(l_lower[h, c], -1) + diag(exp(l_logdiag[h, c])); w_add (H, hd, s).
+        self.kep = None
+        self.kep_sample = False  # draw from the posterior (training) or take its mean
+        self.kep_aux = None  # (KSVD loss J^2 averaged over windows and heads, KL summed over heads)
+        kep = cfg.get("kep_svgp")
+        if kep:
+            s = kep["rank"]
+            self.kep = torch.nn.ParameterDict({
+                "w_e": P(torch.empty(H, hd, s)), "w_r": P(torch.empty(H, hd, s)),
+                "theta": P(torch.empty(H, s)), "m_u": P(torch.empty(H, s, s)),
+                "l_logdiag": P(torch.empty(H, s, s)), "l_lower": P(torch.empty(H, s, s, s)),
+                "w_add": P(torch.empty(H, hd, s))})
         self._cache = {}
         # None: torch's matmul / softmax / matmul (attention() below); otherwise an effattn
         # method name run through effattn.torch (differentiable C++ kernels), with its options.
@@ -222,6 +259,42 @@ class LM(torch.nn.Module):
                     p.normal_(0.0, out_std)
                 else:
                     p.normal_(0.0, std)
+            if self.kep is not None:
+                s = self.kep["theta"].shape[1]
+                for h in range(self.kep["w_e"].shape[0]):
+                    torch.nn.init.orthogonal_(self.kep["w_e"][h])
+                    torch.nn.init.orthogonal_(self.kep["w_r"][h])
+                self.kep["theta"].uniform_(0.0, 1.0)
+                self.kep["m_u"].normal_(0.0, 1.0)
+                self.kep["l_logdiag"].normal_(0.0, 1.0)
+                self.kep["l_lower"].normal_(0.0, 1.0)
+                self.kep["w_add"].uniform_(-1.0 / math.sqrt(s), 1.0 / math.sqrt(s))
+
+    def kep_params(self):
+        """KEP-SVGP's layer as effattn.kep_svgp_layer takes it: (w_e, w_r, lambda, m_u, l_u)."""
+        kp = self.kep
+        lam = torch.exp(-2.0 * kp["theta"])
+        l_u = kp["l_lower"].tril(-1) + torch.diag_embed(kp["l_logdiag"].exp())
+        return kp["w_e"], kp["w_r"], lam, kp["m_u"], l_u
+
+    def kep_attention(self, q, k):
+        """KEP-SVGP's learned layer: q, k B x T x H x hd (RoPE applied) -> B x T x H*hd, in
+        float32; sets kep_aux."""
+        import effattn.torch as et
+
+        B, T, H, hd = q.shape
+        merge = self.cfg["kep_svgp"]["merge"]
+        with torch.autocast("cpu", enabled=False):
+            w_e, w_r, lam, m_u, l_u = self.kep_params()
+            mean, var, e, r = et.kep_svgp_layer(q.float().transpose(1, 2),
+                                                k.float().transpose(1, 2), w_e[None], w_r[None],
+                                                lam[None], m_u[None], l_u[None], merge)
+            f = mean + var.clamp_min(1e-30).sqrt() * torch.randn_like(mean) \
+                if self.kep_sample else mean
+            out = f @ self.kep["w_add"].transpose(1, 2)[None]  # B x H x T x hd
+            ksvd = et.kep_svgp_ksvd_loss(e, r, lam[None], w_e[None], w_r[None], "mean").mean()
+            self.kep_aux = (ksvd, et.kep_svgp_kl(lam, m_u, l_u))
+        return out.transpose(1, 2).reshape(B, T, H * hd)
 
     def p(self, name):
         return self.params[name.replace(".", "_")]
@@ -296,8 +369,11 @@ class LM(torch.nn.Module):
             q = F.linear(h, self.p(p + "wq")).view(B, T, H, hd)
             k = F.linear(h, self.p(p + "wk")).view(B, T, G, hd)
             v = F.linear(h, self.p(p + "wv")).view(B, T, G, hd)
-            a = self.attention(apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, causal,
-                               blocks)
+            if self.kep is not None and l == c["layers"] - 1:
+                a = self.kep_attention(apply_rope(q, cos, sin), apply_rope(k, cos, sin))
+            else:
+                a = self.attention(apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, causal,
+                                   blocks)
             x = x + F.linear(a, self.p(p + "wo"))
             h = rmsnorm(x, self.p(p + "mlp_norm"), eps)
             x = x + F.linear(F.gelu(F.linear(h, self.p(p + "w1"))), self.p(p + "w2"))
@@ -315,6 +391,27 @@ def load_format_tensors(model, tensors):
     with torch.no_grad():
         for name, p in model.named_format_tensors().items():
             p.copy_(torch.from_numpy(tensors[name]).reshape(p.shape))
+
+
+def kep_path(eflm_path):
+    """weights/<name>.kep.npz beside weights/<name>.eflm: KEP-SVGP's layer parameters."""
+    return eflm_path[:-len(".eflm")] + ".kep.npz"
+
+
+def save_kep(model, path):
+    np.savez(path, **{k: v.detach().numpy() for k, v in model.kep.items()})
+
+
+def load_kep(model, path):
+    """Copy a .kep.npz of save_kep into the model's KEP-SVGP layer (shapes must match)."""
+    with np.load(path) as z:
+        if set(z.files) != set(model.kep.keys()):
+            raise ValueError(f"{path}: tensors {sorted(z.files)}, expected {sorted(model.kep)}")
+        with torch.no_grad():
+            for k, p in model.kep.items():
+                if tuple(z[k].shape) != tuple(p.shape):
+                    raise ValueError(f"{path}: {k} is {z[k].shape}, expected {tuple(p.shape)}")
+                p.copy_(torch.from_numpy(z[k]))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -436,8 +533,12 @@ def train(name, cfg, log):
     use_attention(model, cfg.get("attention", "softmax"))
     gen = torch.Generator().manual_seed(cfg["data_seed"])
     data = torch.frombuffer(bytearray(cfg["_train_bytes"]), dtype=torch.uint8)
-    decay = [p for p in model.parameters() if p.dim() == 2]
-    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    decay = [p for p in model.params.values() if p.dim() == 2]
+    no_decay = [p for p in model.params.values() if p.dim() < 2]
+    if model.kep is not None:  # KEP-SVGP's layer: its prior is the KL term, no weight decay
+        no_decay += list(model.kep.values())
+        model.kep_sample = True
+    kep = cfg.get("kep_svgp")
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg["weight_decay"]},
                              {"params": no_decay, "weight_decay": 0.0}],
                             lr=cfg["lr"], betas=cfg["betas"])
@@ -474,9 +575,17 @@ def train(name, cfg, log):
             loss = F.cross_entropy(logits.reshape(-1, cfg["vocab"]), target.reshape(-1))
         else:
             loss = F.cross_entropy(model.logits(h[masked]), target[masked])
+        total = loss
+        if kep:
+            ksvd, kl = model.kep_aux
+            total = loss + kep["eta_ksvd"] * ksvd + kep["eta_kl"] * kl
         opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg["grad_clip"])
+        total.backward()
+        if kep:
+            torch.nn.utils.clip_grad_norm_(list(model.params.values()), cfg["grad_clip"])
+            torch.nn.utils.clip_grad_norm_(list(model.kep.values()), cfg["grad_clip"])
+        else:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg["grad_clip"])
         opt.step()
         losses.append(loss.item())
         elapsed = time.time() - t0
@@ -486,11 +595,14 @@ def train(name, cfg, log):
         if step % 10 == 0 or step + 1 == cfg["steps"]:
             log(f"{name} step {step + 1}/{cfg['steps']} lr {lr_at(step, cfg):.2e} "
                 f"loss {loss.item():.4f} avg20 {recent:.4f} elapsed {elapsed:.0f}s "
-                f"({(step + 1) * cfg['batch'] * cfg['context'] / elapsed:.0f} tok/s)")
+                f"({(step + 1) * cfg['batch'] * cfg['context'] / elapsed:.0f} tok/s)"
+                + (f" ksvd {model.kep_aux[0].item():.4g} kl {model.kep_aux[1].item():.4g}"
+                   if kep else ""))
     seconds = time.time() - t0
     final = sum(losses[-20:]) / len(losses[-20:])
     if os.path.exists(ckpt):
         os.remove(ckpt)
+    model.kep_sample = False
     return model, final, seconds
 
 
@@ -569,6 +681,8 @@ def export(name, model, heldout, out_dir, log):
     os.makedirs(os.path.dirname(fpath), exist_ok=True)
     tensors = {n: p.detach().numpy() for n, p in model.named_format_tensors().items()}
     checksum = lm_format.write_eflm(wpath, header, tensors)
+    if model.kep is not None:
+        save_kep(model, kep_path(wpath))
     tokens = fixture_tokens(model, heldout)
     logits = fixture_logits(model, tokens)
     lm_format.write_fixture(fpath, tokens, logits.numpy())
@@ -583,6 +697,8 @@ def export(name, model, heldout, out_dir, log):
     fresh = LM(dict(cfg, **{k: h[k] for k in lm_format.HEADER_U32}))
     use_attention(fresh, cfg.get("attention", "softmax"))
     load_format_tensors(fresh, loaded)
+    if model.kep is not None:
+        load_kep(fresh, kep_path(wpath))
     for n, p in model.named_format_tensors().items():
         if not torch.equal(fresh.named_format_tensors()[n], p.detach()):
             raise RuntimeError(f"round trip changed tensor {n}")
@@ -654,6 +770,8 @@ def run(kind, args, train_bytes, heldout, heldout_sha, log):
     name = output_name(kind, args.attention, args.seed_offset)
     if args.attention != "softmax":
         cfg["attention"] = args.attention
+    if args.attention == "kep_svgp":
+        cfg["kep_svgp"] = dict(KEP_SVGP)
     if args.seed_offset:
         cfg["seed"] += args.seed_offset
         cfg["data_seed"] += args.seed_offset
@@ -703,7 +821,8 @@ def run(kind, args, train_bytes, heldout, heldout_sha, log):
                                  + (" (masked positions only)" if kind == "encoder" else ""),
         "attention": {"name": args.attention,
                       "effattn_method": model.effattn_method,
-                      "options": model.effattn_options},
+                      "options": model.effattn_options,
+                      **({"kep_svgp": cfg["kep_svgp"]} if "kep_svgp" in cfg else {})},
         "final_train_bpb": final_loss / math.log(2),
         "heldout_bpb": full,
         "heldout_bpb_first4": first4,

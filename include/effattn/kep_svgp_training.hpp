@@ -1,7 +1,8 @@
 /// \file kep_svgp_training.hpp
 /// \brief KEP-SVGP's trainer utilities (eq. 11, 20, 21): `kepsvgp::kl_divergence`, `ksvd_loss`,
-/// `elbo`, `normalized_cumulative_spectrum` and `from_log_inv_sqrt`. `<effattn/kep_svgp.hpp>`
-/// includes this header.
+/// `elbo`, `normalized_cumulative_spectrum` and `from_log_inv_sqrt`; and the paper's learned
+/// layer, `kepsvgp::learned_layer` (primal projections, learned Lambda and q(u)), the forward of
+/// a KEP-SVGP layer a trainer has fitted. `<effattn/kep_svgp.hpp>` includes this header.
 #pragma once
 
 #include <algorithm>
@@ -46,6 +47,46 @@ inline double elbo(double expected_loglik, double kl_total, double kl_weight = 1
 /// non-finite or all-zero input.
 template <typename Scalar>
 Vector<Scalar> normalized_cumulative_spectrum(const Vector<Scalar>& sigma, Power p = Power::One);
+
+/// Parameters of one head of KEP-SVGP's learned layer (the paper's trained form, eq. 10 and
+/// 16-19): primal projections, learned singular values and the variational distribution q(u).
+template <typename Scalar>
+struct LearnedLayer {
+  Matrix<Scalar> W_e;            ///< d x s primal projection of the queries
+  Matrix<Scalar> W_r;            ///< d x s primal projection of the keys
+  Vector<Scalar> lambda;         ///< s learned singular values, finite and > 0
+  VariationalParams<Scalar> vp;  ///< m_u (s x dv) and dv lower-triangular s x s factors L_c
+};
+
+/// Merge of `learned_layer`: the e-branch alone, or the sum of both branches (eq. 19, addition,
+/// the paper's choice for text; self-attention, n = m).
+enum class LearnedMerge { EOnly, Addition };
+
+/// Result of `learned_layer`.
+template <typename Scalar>
+struct LearnedPosterior {
+  Matrix<Scalar> mean;      ///< n x dv posterior mean F Lambda^-1 m_u
+  Matrix<Scalar> variance;  ///< n x dv posterior variance ||L_c^T Lambda^-1 F_i^T||^2, >= 0
+  Matrix<Scalar> E;         ///< n x s, E = phi(Q) W_e (for `ksvd_loss`)
+  Matrix<Scalar> R;         ///< m x s, R = phi(K) W_r (for `ksvd_loss`)
+};
+
+/// KEP-SVGP's learned layer, one head: with the cosine feature map phi(x) = x / max(||x||, 1e-12)
+/// (App. D.1; what the paper's experiments use), E = phi(Q) W_e, R = phi(K) W_r, F = E + R
+/// (Addition) or E (EOnly) and G = F Lambda^-1, the posterior of value column c is (eq. 16-18,
+/// covariance order of App. B.2, Remark 3.1's approximate covariance)
+/// \f[ \mu_{i,c} = G_{i,:} m_c, \qquad \mathrm{var}_{i,c} = \|L_c^\top G_{i,:}^\top\|^2 . \f]
+/// Unlike `KepSvgpAttention` nothing is decomposed: the singular pairs are the learned W_e, W_r
+/// and lambda (the KSVD relations are only encouraged in training, by `ksvd_loss`), and the
+/// values do not enter (the paper's layer has none; its output projection W_add, s -> head
+/// dimension, is the caller's). O((n + m) d s + n s^2 dv) time, O((n + m) s + n dv) memory.
+/// Marginal sampling (the official code's): mean + sqrt(variance) .* z, z ~ N(0, 1) per entry.
+/// \throws effattn::invalid_argument on empty, mismatched or non-finite inputs, lambda <= 0 or
+///         Addition with n != m.
+template <typename Scalar>
+LearnedPosterior<Scalar> learned_layer(const ConstRef<Scalar>& Q, const ConstRef<Scalar>& K,
+                                       const LearnedLayer<Scalar>& layer,
+                                       LearnedMerge merge = LearnedMerge::Addition);
 
 /// lambda from the official code's parameterisation Lambda^-1/2 = exp(theta): lambda =
 /// exp(-2 theta).
@@ -109,6 +150,49 @@ double ksvd_loss(const Matrix<Scalar>& E, const Matrix<Scalar>& R, const Vector<
   const double tr = (We.template cast<double>().array() * Wr.template cast<double>().array()).sum();
   const double J = -0.5 * se - 0.5 * sr + tr;
   return J * J;
+}
+
+template <typename Scalar>
+LearnedPosterior<Scalar> learned_layer(const ConstRef<Scalar>& Q, const ConstRef<Scalar>& K,
+                                       const LearnedLayer<Scalar>& layer, LearnedMerge merge) {
+  using detail::cat;
+  using detail::shape;
+  const Index n = Q.rows(), m = K.rows(), d = Q.cols(), s = layer.lambda.size();
+  const Index dv = layer.vp.m_u.cols();
+  EFFATTN_CHECK(n > 0 && m > 0 && d > 0 && K.cols() == d,
+                cat("learned_layer: need Q (n x d), K (m x d), n, m, d > 0; got Q ", shape(Q),
+                    ", K ", shape(K)));
+  EFFATTN_CHECK(s > 0 && layer.W_e.rows() == d && layer.W_e.cols() == s && layer.W_r.rows() == d &&
+                    layer.W_r.cols() == s && layer.vp.m_u.rows() == s && dv > 0 &&
+                    static_cast<Index>(layer.vp.L_u.size()) == dv,
+                cat("learned_layer: need W_e, W_r (d x s), lambda (s), m_u (s x dv) and dv factors "
+                    "with d = ",
+                    d, "; got W_e ", shape(layer.W_e), ", W_r ", shape(layer.W_r), ", s = ", s,
+                    ", m_u ", shape(layer.vp.m_u), ", ", layer.vp.L_u.size(), " factors"));
+  EFFATTN_CHECK(merge != LearnedMerge::Addition || n == m,
+                cat("learned_layer: the Addition merge needs n = m (self-attention); got n = ", n,
+                    ", m = ", m));
+  EFFATTN_CHECK(layer.lambda.allFinite() && (layer.lambda.array() > Scalar(0)).all(),
+                "learned_layer: lambda must be finite and > 0");
+  for (const auto& L : layer.vp.L_u)
+    EFFATTN_CHECK(L.rows() == s && L.cols() == s && L.allFinite(),
+                  cat("learned_layer: the factors L_c must be finite s x s; got ", shape(L)));
+  EFFATTN_CHECK(Q.allFinite() && K.allFinite() && layer.W_e.allFinite() && layer.W_r.allFinite() &&
+                    layer.vp.m_u.allFinite(),
+                "learned_layer: inputs must be finite");
+  LearnedPosterior<Scalar> out;
+  out.E.noalias() = detail::kep_l2_normalize<Scalar>(Q) * layer.W_e;
+  out.R.noalias() = detail::kep_l2_normalize<Scalar>(K) * layer.W_r;
+  Matrix<Scalar> G = merge == LearnedMerge::Addition ? Matrix<Scalar>(out.E + out.R) : out.E;
+  G = G * layer.lambda.cwiseInverse().asDiagonal();
+  out.mean.noalias() = G * layer.vp.m_u;
+  out.variance.resize(n, dv);
+  Matrix<Scalar> GL(n, s);
+  for (Index c = 0; c < dv; ++c) {
+    GL.noalias() = G * layer.vp.L_u[static_cast<std::size_t>(c)];
+    out.variance.col(c) = GL.rowwise().squaredNorm();
+  }
+  return out;
 }
 
 template <typename Scalar>

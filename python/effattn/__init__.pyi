@@ -137,6 +137,20 @@ def kv_press(
 def weighted_attention(q: ArrayLike, cache: CompressedKV, check: bool = True, **options: Any) -> Result:
     """Attention of q over a CompressedKV (WildCat WtdAttn)."""
 
+def kep_svgp_layer(
+    q: ArrayLike,
+    k: ArrayLike,
+    w_e: ArrayLike,
+    w_r: ArrayLike,
+    lam: ArrayLike,
+    m_u: ArrayLike,
+    l_u: ArrayLike,
+    merge: str = "addition",
+) -> Tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]: ...
+def kep_svgp_kl(lam: ArrayLike, m_u: ArrayLike, l_u: ArrayLike) -> float: ...
+def kep_svgp_ksvd_loss(
+    e: ArrayLike, r: ArrayLike, lam: ArrayLike, w_e: ArrayLike, w_r: ArrayLike, reduction: str = "sum"
+) -> float: ...
 def workload(
     kind: str, n: int, d: int, seed: int = 42, dtype: str = "float32"
 ) -> Tuple[npt.NDArray[np.floating], npt.NDArray[np.floating], npt.NDArray[np.floating]]:

@@ -38,7 +38,14 @@ import torch
 
 from . import _effattn
 
-__all__ = ["attention", "Attention", "methods_with_backward"]
+__all__ = [
+    "attention",
+    "Attention",
+    "methods_with_backward",
+    "kep_svgp_layer",
+    "kep_svgp_kl",
+    "kep_svgp_ksvd_loss",
+]
 
 #: Methods whose gradient effattn computes (the others raise ValueError when asked for one).
 methods_with_backward: Tuple[str, ...] = ("exact", "conv_basis", "eva", "performer")
@@ -177,3 +184,83 @@ class Attention(torch.nn.Module):
     def has_backward(self) -> bool:
         """Whether gradients flow through this method."""
         return self.method in methods_with_backward
+
+
+# ----------------------------------------------------------------------------------------------
+# KEP-SVGP's learned layer: torch references of effattn.kep_svgp_layer / kep_svgp_kl /
+# kep_svgp_ksvd_loss, for training (effattn computes these forwards in C++ but has no backward
+# for them; python/tests/test_kep_svgp_layer.py pins each reference to effattn's forward).
+# ----------------------------------------------------------------------------------------------
+
+
+def kep_svgp_layer(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    w_e: torch.Tensor,
+    w_r: torch.Tensor,
+    lam: torch.Tensor,
+    m_u: torch.Tensor,
+    l_u: torch.Tensor,
+    merge: str = "addition",
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """KEP-SVGP's learned attention layer (primal form, cosine kernel), differentiable.
+
+    With phi(x) = x / max(||x||, 1e-12), E = phi(Q) W_e and R = phi(K) W_r (the primal
+    projections), F = E + R (``merge="addition"``, needs n = m) or E (``"e_only"``) and
+    G = F Lambda^-1: the posterior of value column c is mean G m_c and variance
+    ||(G L_c)_i||^2 per token i (eq. 16-19 of the KEP-SVGP paper, covariance order of its App. B.2).
+
+    Shapes (any leading batch dimensions ``...``): q (..., n, d), k (..., m, d), w_e and w_r
+    (..., d, s), lam (..., s) > 0, m_u (..., s, dv), l_u (..., dv, s, s) lower triangular.
+    Returns (mean (..., n, dv), variance (..., n, dv), E, R). The same function as
+    ``effattn.kep_svgp_layer`` (C++), which inference uses.
+    """
+    if merge not in ("addition", "e_only"):
+        raise ValueError(f"kep_svgp_layer: merge must be 'addition' or 'e_only', got {merge!r}")
+    qh = torch.nn.functional.normalize(q, dim=-1, eps=1e-12)
+    kh = torch.nn.functional.normalize(k, dim=-1, eps=1e-12)
+    e = qh @ w_e
+    r = kh @ w_r
+    f = e + r if merge == "addition" else e
+    g = f / lam.unsqueeze(-2)
+    mean = g @ m_u
+    var = torch.einsum("...ns,...cst->...nct", g, l_u).square().sum(-1)
+    return mean, var, e, r
+
+
+def kep_svgp_kl(lam: torch.Tensor, m_u: torch.Tensor, l_u: torch.Tensor) -> torch.Tensor:
+    """KL(q(u) || p(u)) of KEP-SVGP (eq. 21), p(u_c) = N(0, Lambda^2), q(u_c) = N(m_c, L_c L_c^T),
+    summed over the value columns and any leading dimensions: the torch reference of
+    ``effattn.kep_svgp_kl``. lam (..., s), m_u (..., s, dv), l_u (..., dv, s, s)."""
+    s = lam.shape[-1]
+    il = 1.0 / lam
+    tr = (il[..., None, :, None] * l_u).square().sum((-1, -2))  # (..., dv)
+    quad = (il[..., :, None] * m_u).square().sum(-2)  # (..., dv)
+    logdet_p = 2.0 * lam.log().sum(-1, keepdim=True)  # (..., 1)
+    logdet_s = 2.0 * torch.diagonal(l_u, dim1=-2, dim2=-1).log().sum(-1)  # (..., dv)
+    return 0.5 * (tr + quad + logdet_p - logdet_s - s).sum()
+
+
+def kep_svgp_ksvd_loss(
+    e: torch.Tensor,
+    r: torch.Tensor,
+    lam: torch.Tensor,
+    w_e: torch.Tensor,
+    w_r: torch.Tensor,
+    reduction: str = "sum",
+) -> torch.Tensor:
+    """KEP-SVGP's KSVD regulariser (eq. 11), J^2 with J = -1/2 sum_i e_i^T Lambda^-1 e_i
+    - 1/2 sum_j r_j^T Lambda^-1 r_j + Tr(W_e^T W_r), the sums divided by the token counts for
+    ``reduction="mean"``; one value per leading index (..., ): the torch reference of
+    ``effattn.kep_svgp_ksvd_loss``. e (..., n, s), r (..., m, s), lam (..., s), w_e, w_r
+    (..., p, s)."""
+    if reduction not in ("mean", "sum"):
+        raise ValueError(f"kep_svgp_ksvd_loss: reduction must be 'mean' or 'sum', got {reduction!r}")
+    il = (1.0 / lam).unsqueeze(-2)
+    se = (e.square() * il).sum((-1, -2))
+    sr = (r.square() * il).sum((-1, -2))
+    if reduction == "mean":
+        se = se / e.shape[-2]
+        sr = sr / r.shape[-2]
+    j = -0.5 * se - 0.5 * sr + (w_e * w_r).sum((-1, -2))
+    return j.square()

@@ -536,6 +536,8 @@ py::tuple run_packed_backward(const Packed& p, const typename F::Options& o, con
 
 /// Registers CompressedKV, compress_kv and weighted_attention.
 void bind_wildcat_cache(py::module_& m);
+/// Registers kep_svgp_layer, kep_svgp_kl and kep_svgp_ksvd_loss.
+void bind_kep_svgp_layer(py::module_& m);
 
 /// Converts a 2-D array to a row-major view of dtype d (in place when it already is one).
 View view_2d(const py::array& a, Dtype d, const char* name, const std::string& function);

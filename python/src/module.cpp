@@ -706,6 +706,7 @@ effattn's synthetic workloads (effattn/workloads.hpp): kind 'gaussian', 'sphere'
       "forces a lower one).");
 
   ep::bind_wildcat_cache(m);
+  ep::bind_kep_svgp_layer(m);
 
   py::list names;
   for (const auto& x : methods()) names.append(x.first);
