@@ -264,6 +264,8 @@ def main():
     ap.add_argument("--out")
     ap.add_argument("--render", metavar="DOC")
     ap.add_argument("--from-json", metavar="JSON")
+    ap.add_argument("--update", action="store_true",
+                    help="keep the softmax rows of --out and (re)compute only the --trained rows")
     args = ap.parse_args()
     if args.from_json:
         with open(args.from_json) as f:
@@ -276,18 +278,26 @@ def main():
     fit, score = wins[:len(wins) // 2], wins[len(wins) // 2:]
     rows = []
     t0 = time.time()
-    base = load(os.path.join(args.weights, "encoder.eflm"))
-    pf, tf, _ = predictions(base, fit)
-    ps, ts, _ = predictions(base, score)
-    rows.append({"name": "softmax", "metrics": metrics(ps, ts)})
-    temp = fit_temperature(pf, tf)
-    pt = torch.from_numpy(np.log(np.clip(ps, 1e-300, 1.0)) / temp).softmax(-1).numpy()
-    rows.append({"name": f"softmax + temperature (T = {temp:.3f})", "temperature": temp,
-                 "metrics": metrics(pt, ts)})
-    pk, tk, uk = predictions(base, score, kep_samples=args.samples)
-    rows.append({"name": f"softmax, KEP-SVGP post hoc (last layer, rank "
-                         f"{KEP_OPTIONS['rank']}, {args.samples} samples)",
-                 "metrics": metrics(pk, tk, uk)})
+    if args.update:
+        with open(args.out) as f:
+            old = json.load(f)
+        redo = tuple(f"trained with {m}" for m in args.trained.split(",") if m)
+        rows = [r for r in old["rows"] if not r["name"].startswith(redo)]
+        tf = np.zeros(old["fit_bytes"])
+        ts = np.zeros(old["score_bytes"])
+    else:
+        base = load(os.path.join(args.weights, "encoder.eflm"))
+        pf, tf, _ = predictions(base, fit)
+        ps, ts, _ = predictions(base, score)
+        rows.append({"name": "softmax", "metrics": metrics(ps, ts)})
+        temp = fit_temperature(pf, tf)
+        pt = torch.from_numpy(np.log(np.clip(ps, 1e-300, 1.0)) / temp).softmax(-1).numpy()
+        rows.append({"name": f"softmax + temperature (T = {temp:.3f})", "temperature": temp,
+                     "metrics": metrics(pt, ts)})
+        pk, tk, uk = predictions(base, score, kep_samples=args.samples)
+        rows.append({"name": f"softmax, KEP-SVGP post hoc (last layer, rank "
+                             f"{KEP_OPTIONS['rank']}, {args.samples} samples)",
+                     "metrics": metrics(pk, tk, uk)})
     for method in filter(None, args.trained.split(",")):
         path = os.path.join(args.weights, f"encoder-{method}.eflm")
         if not os.path.exists(path):
