@@ -12,14 +12,16 @@
 #   docs       doxygen, warnings as errors (docs/Doxyfile)
 #   asan-*     every other test under AddressSanitizer + UBSan (preset asan, clang)
 #   tsan-*     the thread-safety and FFT tests under ThreadSanitizer (preset tsan, clang)
+#   noomp-*    every test built and run without OpenMP (preset noomp: -O1, -Werror)
 #   fuzz-*     the libFuzzer build (tests/fuzz/run.sh) and one job per target, FUZZ_SECONDS each
 FUZZ_SECONDS ?= 30
 JOB := bash .ci/job
 FUZZ_EXE := build/fuzz/fuzz_attention
 
-.PHONY: all consumer docs asan-build asan-test tsan-build tsan-test fuzz-build fuzz-run fuzz-targets
+.PHONY: all consumer docs asan-build asan-test tsan-build tsan-test noomp-build noomp-test \
+        fuzz-build fuzz-run fuzz-targets
 # Listed longest chain first: make starts the prerequisites of `all` in this order.
-all: asan-test consumer docs tsan-test fuzz-run
+all: asan-test consumer docs tsan-test noomp-test fuzz-run
 
 # Timed one compilation at a time (its own make -j1, outside the jobserver).
 consumer:
@@ -40,6 +42,12 @@ tsan-build:
 	+$(JOB) --make tsan-build bash -c 'cmake --preset tsan && cmake --build build/tsan --target test_thread_safety test_fft'
 tsan-test: tsan-build
 	$(JOB) tsan-test ctest --preset tsan --parallel 1
+
+# Without OpenMP: the one-thread paths of the headers and an effattn::compiled built without it.
+noomp-build:
+	+$(JOB) --make noomp-build bash -c 'cmake --preset noomp && cmake --build build/noomp'
+noomp-test: noomp-build
+	$(JOB) noomp-test ctest --preset noomp --parallel 1
 
 fuzz-build:
 	+$(JOB) --make fuzz-build bash tests/fuzz/run.sh --build-only

@@ -298,10 +298,11 @@ TEST_CASE("Pivot laws: sequential and accelerated match the exact RPCholesky dis
 
   struct Case {
     std::string name;
+    bool dense;  // DenseKernel of H; else the exp-dot kernel of Xe (whose dense form H is)
     MatD H;
   };
-  const std::vector<Case> cases = {{"dense kernel", Hd},
-                                   {"exp-dot kernel", dense_exp_dot(Xe, 1.0)}};
+  const std::vector<Case> cases = {{"dense kernel", true, Hd},
+                                   {"exp-dot kernel", false, dense_exp_dot(Xe, 1.0)}};
   const int N = 20000;
   const double bound29 = chi2_quantile(29, 3.719), bound5 = chi2_quantile(5, 3.719);
   for (const Case& c : cases) {
@@ -315,7 +316,7 @@ TEST_CASE("Pivot laws: sequential and accelerated match the exact RPCholesky dis
       for (int t = 0; t < N; ++t) {
         const auto seed = static_cast<std::uint64_t>(1000 + t);
         Index s1 = 0, s2 = 0;
-        if (c.name == "dense kernel") {
+        if (c.dense) {
           const auto r = run<Rule>(DenseKernel{c.H}, 2, seed, 0, block);
           s1 = r.pivots[0], s2 = r.pivots[1];
         } else {
