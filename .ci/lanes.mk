@@ -7,8 +7,9 @@
 # target left) runs another job instead of waiting for the phase to end. Every job logs to
 # build/ci-logs/<job>.log and appends its start and end to build/ci-logs/times.txt (.ci/job);
 # .ci/run prints the table.
-#   consumer   install build/ci, then the consumer project against the installed package three
-#              ways, each translation unit timed (bench/compile_cost.sh)
+#   consumer   install build/ci, then the consumer project against the installed package (each
+#              method alone header-only, the umbrella compiled and without FFTW), each
+#              translation unit timed (bench/compile_cost.sh)
 #   docs       doxygen, warnings as errors (docs/Doxyfile)
 #   asan-*     every other test under AddressSanitizer + UBSan (preset asan, clang)
 #   tsan-*     the thread-safety and FFT tests under ThreadSanitizer (preset tsan, clang)

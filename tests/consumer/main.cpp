@@ -1,12 +1,12 @@
 // Consumer check and the compile-cost probe (docs/building.md): a downstream translation unit that
 // includes the umbrella header and calls each of the seven functors once (float, default
-// options). It is built against the installed package three ways (tests/consumer/CMakeLists.txt):
-// header-only (effattn::effattn), compiled (effattn::compiled) and without FFTW
-// (effattn::headers); every build must give exact attention equal to the materialised reference
-// and finite n x dv outputs from every method. The build without FFTW defines
-// EFFATTN_CONSUMER_FFT_ONLY: it includes every header like the others but calls only exact
-// attention and Conv-Basis, the one method with an FFT (EFFATTN_USE_FFTW changes nothing else),
-// which saves CI a second two-minute header-only compilation.
+// options). It is built against the installed package two ways (tests/consumer/CMakeLists.txt):
+// compiled (effattn::compiled) and without FFTW (effattn::headers); every build must give exact
+// attention equal to the materialised reference and finite n x dv outputs from every method it
+// calls. The build without FFTW defines EFFATTN_CONSUMER_FFT_ONLY: it includes every header like
+// the other but calls only exact attention and Conv-Basis, the one method with an FFT
+// (EFFATTN_USE_FFTW changes nothing else). Each method's header-only build, with FFTW, is
+// method.cpp, one translation unit per method.
 #include <effattn/effattn.hpp>
 
 #include <cstdio>
