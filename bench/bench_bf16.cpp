@@ -90,7 +90,9 @@ struct Runner {
   Vector<float> lse;
   void operator()(const Matrix<float>& Q, const Matrix<float>& K, const Matrix<float>& V) {
     if (path == Path::Fp32) {
-      auto r = ExactAttention<float>(opts).compute(Q, K, V);
+      ExactOptions fp32 = opts;
+      fp32.bf16_scores = Bf16Scores::Auto;  // the fp32 Tiled kernel takes no bf16 score mode
+      auto r = ExactAttention<float>(fp32).compute(Q, K, V);
       out = std::move(r.output);
       return;
     }

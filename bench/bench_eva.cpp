@@ -165,7 +165,7 @@ void register_all() {
       const std::string ex = "exact/tiled/float/d64/full";
       const std::string fam = "performer/float/d64/full/" + chunk_name(chunk);
       PerformerOptions o;
-      o.samples = eva_width(n, false, chunk);
+      o.features = eva_width(n, false, chunk);
       const PerformerAttention<float> f(o);
       benchmark::RegisterBenchmark(fam.c_str(),
                                    [=](benchmark::State& s) { bm_method(s, f, false, fam, ex); })
@@ -185,7 +185,7 @@ void register_all() {
     })->Arg(256);
   }
   PerformerOptions po;
-  po.samples = 32;
+  po.features = 32;
   const PerformerAttention<float> pf(po);
   benchmark::RegisterBenchmark("performer/smoke/full", [=](benchmark::State& s) {
     bm_method(s, pf, false, "performer/smoke/full", "");

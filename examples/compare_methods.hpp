@@ -193,13 +193,13 @@ struct CompareConfig<PerformerAttention<S>> {  // budget = random features
   static std::vector<Index> budgets(const Problem<S>&) { return {64, 256}; }
   static Options options(const Problem<S>& p, Index b) {
     Options o;
-    o.samples = b;
+    o.features = b;
     o.seed = p.seed;
     return o;
   }
   template <typename R>
   static std::string describe(const Options& o, const R&) {
-    return std::to_string(o.samples) + " features";
+    return std::to_string(o.features) + " features";
   }
 };
 

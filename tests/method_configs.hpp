@@ -154,12 +154,12 @@ struct MethodTestConfig<PerformerAttention<S>> : MethodTestConfigBase<PerformerA
   static Options exact_limit(Index, Index) { return {}; }
   static Options approx(Index, Index) {
     Options o;
-    o.samples = 16;
+    o.features = 16;
     return o;
   }
   static Options stress() {
     Options o;
-    o.samples = 32;
+    o.features = 32;
     return o;
   }
 };

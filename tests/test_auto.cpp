@@ -11,6 +11,7 @@
 #include <effattn/workloads.hpp>
 
 #include <set>
+#include <string>
 
 #include "conformance.hpp"
 #include "test_utils.hpp"
@@ -140,7 +141,7 @@ TEMPLATE_TEST_CASE("AutoAttention chooses exact attention when nothing is cheape
     const auto e = ExactAttention<TestType>(eo).compute(w.Q, w.K, w.V);
     CHECK(r.info == Info::Success);
     CHECK(r.method == AutoMethod::Exact);
-    CHECK(r.probe_rows == 0);  // no candidate fitted: no probe was paid for
+    CHECK(r.error_sample_rows == 0);  // no candidate fitted: no probe was paid for
     CHECK(r.candidates.empty());
     CHECK(r.predicted_cost == 1.0);
     CHECK(!r.reason.empty());
@@ -178,7 +179,7 @@ TEMPLATE_TEST_CASE("AutoAttention's choice meets the target against exact attent
   CHECK(r.estimated_error < 2.0 * err);
   CHECK(r.budget > 0);
   CHECK(r.budget < n);
-  CHECK(r.probe_rows == 32);  // automatic: max(32, n / 64) rows up to 256
+  CHECK(r.error_sample_rows == 32);  // automatic: max(32, n / 64) rows up to 256
   REQUIRE(!r.candidates.empty());
   CHECK(r.candidates.back().accepted);
   CHECK(r.predicted_cost < 1 + o.max_overhead);
@@ -216,7 +217,7 @@ TEMPLATE_TEST_CASE("AutoAttention picks EVA for a loose causal target and meets 
   o.allow_eva = false;
   const auto e = AutoAttention<TestType>(o).compute(w.Q, w.K, w.V);
   CHECK(e.method == AutoMethod::Exact);
-  CHECK(e.probe_rows == 0);
+  CHECK(e.error_sample_rows == 0);
 }
 
 TEMPLATE_TEST_CASE("AutoAttention falls back to exact attention when no candidate meets the target",
@@ -252,7 +253,7 @@ TEST_CASE("AutoAttention skips a WildCat probe whose affordable rank cannot meet
   const auto r = AutoAttention<float>(o).compute(w.Q, w.K, w.V);
   INFO(r.reason);
   CHECK(r.method == AutoMethod::Exact);
-  CHECK(r.probe_rows == 0);
+  CHECK(r.error_sample_rows == 0);
   CHECK(r.candidates.empty());
   CHECK(r.predicted_cost == 1.0);
   CHECK(r.reason.find("wildcat_min_rank_error") != std::string::npos);
@@ -326,7 +327,7 @@ TEST_CASE("AutoAttention rejects bad options and inputs", "[auto][errors]") {
   bad([](AutoOptions& o) { o.target_error = -1; }, "target_error");
   bad([](AutoOptions& o) { o.target_error = std::numeric_limits<double>::quiet_NaN(); },
       "target_error");
-  bad([](AutoOptions& o) { o.probe_rows = -1; }, "probe_rows");
+  bad([](AutoOptions& o) { o.error_sample_rows = -1; }, "error_sample_rows");
   bad([](AutoOptions& o) { o.max_overhead = -0.1; }, "max_overhead");
   bad([](AutoOptions& o) { o.max_overhead = std::numeric_limits<double>::infinity(); },
       "max_overhead");
@@ -351,4 +352,50 @@ TEST_CASE("AutoAttention rejects bad options and inputs", "[auto][errors]") {
   AutoOptions co;
   co.causal = true;
   require_invalid_argument([&] { (void)AutoAttentionf(co).compute(Q, K, V); }, "m >= n");
+}
+
+// ---- Deprecated spelling of a renamed option (one release): the same output as the new name.
+
+namespace {
+EFFATTN_DEPRECATED_FIELDS_BEGIN
+AutoOptions with_old_probe_rows(Index rows) {
+  AutoOptions o;
+  o.probe_rows = rows;
+  return o;
+}
+Index old_probe_rows(const AutoResult<float>& r) {
+  return r.probe_rows;
+}
+EFFATTN_DEPRECATED_FIELDS_END
+}  // namespace
+
+TEST_CASE("AutoOptions::probe_rows (deprecated) gives the output of error_sample_rows",
+          "[auto][deprecated]") {
+  const auto w = workloads::make<float>(workloads::Kind::Sphere, 2048, 64, 9);
+  AutoOptions now;
+  now.max_overhead = 50;
+  now.target_error = 0.05;
+  now.error_sample_rows = 48;
+  const auto a = AutoAttention<float>(now).compute(w.Q, w.K, w.V);
+  REQUIRE(a.info == Info::Success);
+  REQUIRE(a.method == AutoMethod::Wildcat);  // the sampled rows were used
+  CHECK(a.error_sample_rows == 48);
+  CHECK(old_probe_rows(a) == 48);  // the Result's deprecated spelling holds the same value
+  AutoOptions old = with_old_probe_rows(48);
+  old.max_overhead = 50;
+  old.target_error = 0.05;
+  const AutoAttention<float> f(old);
+  const auto b = f.compute(w.Q, w.K, w.V);
+  CHECK(bitwise_equal(b.output, a.output));
+  CHECK(b.estimated_error == a.estimated_error);
+  CHECK(b.error_sample_rows == 48);
+  CHECK(f.options().error_sample_rows == 48);
+  std::set<std::string> names;
+  for (const Diagnostic& d : b.diagnostics()) names.insert(d.name);
+  CHECK(names.count("error_sample_rows") == 1);
+  CHECK(names.count("probe_rows") == 1);  // the deprecated key, for one release
+  AutoOptions clash = old;
+  clash.error_sample_rows = 64;
+  CHECK_THROWS_WITH(AutoAttention<float>(clash), Catch::Contains("error_sample_rows = 64") &&
+                                                     Catch::Contains("probe_rows = 48"));
 }

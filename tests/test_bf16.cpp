@@ -472,6 +472,23 @@ TEST_CASE("Bf16Scores: the option, its validation, and bf16 inputs (no remainder
   // Not a Bf16Scores value.
   o.bf16_scores = static_cast<Bf16Scores>(7);
   CHECK_THROWS_WITH(ExactAttentionBf16{o}, Catch::Contains("bf16_scores"));
+  // The other policies do not form bf16 scores: any value but Auto is an error naming the
+  // option and the policy, never silently ignored.
+  STATIC_REQUIRE(ExactAttentionBf16::uses_bf16_scores);
+  STATIC_REQUIRE_FALSE(ExactAttentionf::uses_bf16_scores);
+  STATIC_REQUIRE_FALSE(NaiveAttentiond::uses_bf16_scores);
+  for (const Bf16Scores s : {Bf16Scores::Single, Bf16Scores::Split}) {
+    o.bf16_scores = s;
+    CHECK_THROWS_WITH(ExactAttentionf{o},
+                      Catch::Contains("bf16_scores") && Catch::Contains("policy::Tiled,"));
+    CHECK_THROWS_WITH(ExactAttentiond{o}, Catch::Contains("policy::Tiled,"));
+    CHECK_THROWS_WITH(NaiveAttentionf{o},
+                      Catch::Contains("bf16_scores") && Catch::Contains("policy::Naive"));
+    CHECK_THROWS_AS((MultiHead<ExactAttentionf>(o, HeadLayout{2, 1})), effattn::invalid_argument);
+  }
+  o.bf16_scores = Bf16Scores::Auto;
+  CHECK_NOTHROW(ExactAttentionf{o});
+  CHECK_NOTHROW(NaiveAttentiond{o});
 }
 
 TEST_CASE("bf16: scores that overflow (finite inputs) give NumericalIssue, not a silent output",

@@ -447,7 +447,7 @@ TEMPLATE_TEST_CASE("ConvBasis FFT evaluation equals the dense per-basis form", "
   for (const Index window : {Index(0), Index(40)}) {
     ConvBasisOptions o;
     o.num_bases = 7;
-    o.window = window;
+    o.sliding_window = window;
     o.guard = false;
     const CB<S> f(o);
     const conv_basis::Basis b = f.recover(w.Q, w.K);
@@ -534,8 +534,8 @@ TEST_CASE("ConvBasis sliding-window and block-diagonal masks match dense masked 
     INFO("window " << mk.window << " block " << mk.block);
     const Matrix<double> ref = masked_softmax(H, V, mk.window, mk.block);
     ConvBasisOptions o = exact_setting<double>(n);
-    o.window = mk.window;
-    o.block_size = mk.block;
+    o.sliding_window = mk.window;
+    o.mask_block = mk.block;
     const auto r = CB<double>(o).compute(Q, K, V);
     REQUIRE(r.info == Info::Success);
     CHECK(rel_fro_error(r.output, ref) <= 1e-12);
@@ -559,7 +559,7 @@ TEST_CASE("ConvBasis sliding-window and block-diagonal masks match dense masked 
   ConvBasisOptions o;
   o.scale = 1;
   o.threshold = 1e-6;
-  o.window = 30;
+  o.sliding_window = 30;
   const auto r = CB<double>(o).compute(Qa, Ka, V);
   CHECK(r.bases_used == 1);
   CHECK(r.entries_evaluated <= (n - 8 + 1) * 8 + 30);
@@ -662,7 +662,7 @@ TEMPLATE_TEST_CASE("ConvBasis reports overflowing logits instead of returning st
   for (const Index bs : {Index(0), Index(5)}) {
     ConvBasisOptions o;
     o.num_bases = 6;
-    o.block_size = bs;
+    o.mask_block = bs;
     const auto r = CB<S>(o).compute(Q, K, V);
     CHECK(r.info == Info::NumericalIssue);
     REQUIRE(r.output.rows() == 16);
@@ -696,7 +696,7 @@ TEMPLATE_TEST_CASE("ConvBasis guard bound survives underflowing kernel norms", "
   V.row(0).setZero();
   const Matrix<double> ref = masked_softmax(H, V.template cast<double>(), 3);
   ConvBasisOptions o;
-  o.window = 3;
+  o.sliding_window = 3;
   const auto r = CB<S>(o).apply(b, V);
   REQUIRE(r.info == Info::Success);
   CHECK(r.rows_recomputed >= 2);
@@ -726,7 +726,7 @@ TEMPLATE_TEST_CASE("ConvBasis guard is per column of V", "[conv_basis]", float, 
       S(-1.9375), S(-2), S(-2);
   const Matrix<double> ref = masked_softmax(H, V.template cast<double>(), 3);
   ConvBasisOptions o;
-  o.window = 3;
+  o.sliding_window = 3;
   const auto r = CB<S>(o).apply(b, V);
   REQUIRE(r.info == Info::Success);
   const double tol = sizeof(S) == 8 ? 1e-12 : 1e-6;
@@ -762,8 +762,9 @@ TEST_CASE("ConvBasis rejects bad inputs and options", "[conv_basis]") {
   CHECK_THROWS_AS(F(bad([](ConvBasisOptions& o) { o.threshold = std::nan(""); })),
                   effattn::invalid_argument);
   CHECK_THROWS_AS(F(bad([](ConvBasisOptions& o) { o.epsilon = -1; })), effattn::invalid_argument);
-  CHECK_THROWS_AS(F(bad([](ConvBasisOptions& o) { o.window = -1; })), effattn::invalid_argument);
-  CHECK_THROWS_AS(F(bad([](ConvBasisOptions& o) { o.block_size = -2; })),
+  CHECK_THROWS_AS(F(bad([](ConvBasisOptions& o) { o.sliding_window = -1; })),
+                  effattn::invalid_argument);
+  CHECK_THROWS_AS(F(bad([](ConvBasisOptions& o) { o.mask_block = -2; })),
                   effattn::invalid_argument);
   CHECK_THROWS_AS(F(bad([](ConvBasisOptions& o) { o.scale = -1; })), effattn::invalid_argument);
   ConvBasisOptions g;
@@ -902,4 +903,64 @@ TEST_CASE("ConvBasis batched reads equal the per-column reads", "[conv_basis]") 
   for (std::size_t r = 0; cols_same && r < b1.columns.size(); ++r)
     cols_same = (b1.columns[r].array() == b2.columns[r].array()).all();
   CHECK(cols_same);
+}
+
+// ---- Deprecated spellings of renamed options (one release): the same output as the new name.
+
+namespace {
+EFFATTN_DEPRECATED_FIELDS_BEGIN
+ConvBasisOptions with_old_window(Index w) {
+  ConvBasisOptions o;
+  o.window = w;
+  return o;
+}
+ConvBasisOptions with_old_block_size(Index b) {
+  ConvBasisOptions o;
+  o.block_size = b;
+  return o;
+}
+EFFATTN_DEPRECATED_FIELDS_END
+}  // namespace
+
+TEST_CASE("ConvBasisOptions::window (deprecated) gives the output of sliding_window",
+          "[conv_basis][deprecated]") {
+  const Index n = 96, d = 8;
+  const Matrix<double> Q = randn<double>(n, d, 41), K = randn<double>(n, d, 42),
+                       V = randn<double>(n, 5, 43);
+  ConvBasisOptions now;
+  now.sliding_window = 24;
+  const auto a = CB<double>(now).compute(Q, K, V);
+  REQUIRE(a.info == Info::Success);
+  CHECK_FALSE(bitwise_equal(a.output, CB<double>().compute(Q, K, V).output));  // not a no-op
+  const CB<double> old(with_old_window(24));
+  CHECK(bitwise_equal(old.compute(Q, K, V).output, a.output));
+  CHECK(old.options().sliding_window == 24);
+  ConvBasisOptions both = with_old_window(24);  // both spellings, one value: accepted
+  both.sliding_window = 24;
+  CHECK(bitwise_equal(CB<double>(both).compute(Q, K, V).output, a.output));
+  ConvBasisOptions clash = with_old_window(24);
+  clash.sliding_window = 16;
+  CHECK_THROWS_WITH(CB<double>(clash),
+                    Catch::Contains("sliding_window = 16") && Catch::Contains("window = 24"));
+}
+
+TEST_CASE("ConvBasisOptions::block_size (deprecated) gives the output of mask_block",
+          "[conv_basis][deprecated]") {
+  const Index n = 96, d = 8;
+  const Matrix<float> Q = randn<float>(n, d, 44), K = randn<float>(n, d, 45),
+                      V = randn<float>(n, 5, 46);
+  ConvBasisOptions now;
+  now.mask_block = 40;
+  const auto a = CB<float>(now).compute(Q, K, V);
+  REQUIRE(a.info == Info::Success);
+  CHECK_FALSE(bitwise_equal(a.output, CB<float>().compute(Q, K, V).output));  // not a no-op
+  const CB<float> old(with_old_block_size(40));
+  const auto b = old.compute(Q, K, V);
+  CHECK(bitwise_equal(b.output, a.output));
+  CHECK(b.offsets == a.offsets);
+  CHECK(old.options().mask_block == 40);
+  ConvBasisOptions clash = with_old_block_size(40);
+  clash.mask_block = 32;
+  CHECK_THROWS_WITH(CB<float>(clash),
+                    Catch::Contains("mask_block = 32") && Catch::Contains("block_size = 40"));
 }

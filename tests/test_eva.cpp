@@ -448,7 +448,7 @@ TEMPLATE_TEST_CASE("PerformerAttention equals an independent Performer", "[eva][
   double worst = 0;
   for (const Index S : {Index(1), Index(16), Index(64)}) {
     PerformerOptions o;
-    o.samples = S;
+    o.features = S;
     o.seed = 77 + static_cast<std::uint64_t>(S);
     const PerformerAttention<Scalar> f(o);
     const auto r = f.compute(Q, K, V);
@@ -480,10 +480,46 @@ TEMPLATE_TEST_CASE("PerformerAttention equals an independent Performer", "[eva][
     CHECK(bitwise_equal(re.output, r.output));
     CHECK(bitwise_equal(re.omega, r.omega));
   }
-  // samples = 0 means 64 features.
+  // features = 0 means 64 features.
   CHECK(PerformerAttention<Scalar>().compute(Q, K, V).features == 64);
   CHECK(PerformerAttention<Scalar>().features() == 64);
   if (verbose()) std::cout << "[eva] performer vs classic: worst " << worst << "\n";
+}
+
+// ---- Deprecated spelling of a renamed option (one release): the same output as the new name.
+
+namespace {
+EFFATTN_DEPRECATED_FIELDS_BEGIN
+PerformerOptions with_old_samples(Index s) {
+  PerformerOptions o;
+  o.samples = s;
+  return o;
+}
+EFFATTN_DEPRECATED_FIELDS_END
+}  // namespace
+
+TEST_CASE("PerformerOptions::samples (deprecated) gives the output of features",
+          "[eva][performer][deprecated]") {
+  const Matrix<float> Q = randn<float>(40, 8, 51), K = randn<float>(56, 8, 52),
+                      V = randn<float>(56, 5, 53);
+  PerformerOptions now;
+  now.features = 24;
+  const auto a = PerformerAttention<float>(now).compute(Q, K, V);
+  REQUIRE(a.info == Info::Success);
+  REQUIRE(a.features == 24);
+  const PerformerAttention<float> old(with_old_samples(24));
+  const auto b = old.compute(Q, K, V);
+  CHECK(bitwise_equal(b.output, a.output));
+  CHECK(b.features == 24);
+  CHECK(old.features() == 24);
+  CHECK(old.options().features == 24);
+  PerformerOptions both = with_old_samples(24);  // both spellings, one value: accepted
+  both.features = 24;
+  CHECK(bitwise_equal(PerformerAttention<float>(both).compute(Q, K, V).output, a.output));
+  PerformerOptions clash = with_old_samples(24);
+  clash.features = 32;
+  CHECK_THROWS_WITH(PerformerAttention<float>(clash),
+                    Catch::Contains("features = 32") && Catch::Contains("samples = 24"));
 }
 
 TEST_CASE("Performer error falls as the feature count grows", "[eva][performer][statistical]") {
@@ -501,7 +537,7 @@ TEST_CASE("Performer error falls as the feature count grows", "[eva][performer][
     double sum = 0;
     for (std::uint64_t seed = 0; seed < 16; ++seed) {
       PerformerOptions o;
-      o.samples = S;
+      o.features = S;
       o.seed = seed;
       sum += rel_fro_error(PerformerAttentiond(o)(Q, K, V), exact);
     }
@@ -720,7 +756,7 @@ TEST_CASE("EVA beats local attention, and Performer at equal budget", "[eva][qua
     double e_rfa = 0;
     for (std::uint64_t seed = 0; seed < 4; ++seed) {
       PerformerOptions p;
-      p.samples = budget;
+      p.features = budget;
       p.seed = seed;
       e_rfa += rel_fro_error(PerformerAttentionf(p)(w.Q, w.K, w.V), exact) / 4;
     }
@@ -773,7 +809,7 @@ TEMPLATE_TEST_CASE("Bit-identical across thread counts and calls; seeds", "[eva]
       CHECK(bitwise_equal(one.output, reseeded));  // deterministic mode ignores the seed
   }
   PerformerOptions p;
-  p.samples = 96;
+  p.features = 96;
   const PerformerAttention<Scalar> rfa(p);
   CHECK(bitwise_equal(with_threads(1, [&] { return rfa(w.Q, w.K, w.V); }),
                       with_threads(2, [&] { return rfa(w.Q, w.K, w.V); })));
@@ -1142,9 +1178,9 @@ TEMPLATE_TEST_CASE("Bad inputs and options throw invalid_argument naming the arg
   // The Performer has no causal form: PerformerOptions has no `causal`, the trait says so.
   STATIC_REQUIRE_FALSE(functor_traits<PerformerAttention<Scalar>>::supports_causal);
   PerformerOptions po;
-  po.samples = -1;
+  po.features = -1;
   throws_with([&] { PerformerAttention<Scalar> x(po); },
-              "PerformerAttention: Options::samples must be >= 0");
+              "PerformerAttention: Options::features must be >= 0");
   po = {};
   po.scale = -2;
   throws_with([&] { PerformerAttention<Scalar> x(po); }, "PerformerAttention: Options::scale");
@@ -1256,7 +1292,7 @@ TEMPLATE_TEST_CASE("diagnostics() names are unique and values finite", "[eva][di
   CHECK(r.diagnostics()[0].value == static_cast<double>(r.window));
   CHECK(r.diagnostics()[4].value == static_cast<double>(r.max_logits));
   PerformerOptions p;
-  p.samples = 24;
+  p.features = 24;
   const auto rp = PerformerAttention<Scalar>(p).compute(w.Q, w.K, w.V);
   REQUIRE(rp.info == Info::Success);
   check(rp.diagnostics(), {"features"});

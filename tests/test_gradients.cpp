@@ -284,8 +284,8 @@ TEST_CASE("Conv-Basis backward matches central finite differences of its forward
                        Case{3, 0, 12}, Case{4, 9, 10}}) {
     ConvBasisOptions o;
     o.num_bases = c.k;
-    o.window = c.window;
-    o.block_size = c.block;
+    o.sliding_window = c.window;
+    o.mask_block = c.block;
     const Problem p = make_problem(32, 32, 4, 3, false, 300 + static_cast<unsigned>(c.k));
     const FdGradients fd = finite_differences(p, conv_basis_forward(o));
     const auto g = conv_basis_backward(GridConvBasisd(o), p.Q, p.K, p.V, p.G);
@@ -379,7 +379,7 @@ TEST_CASE("Performer backward matches central finite differences of its forward"
   // relative.
   for (const Index m : {32, 45}) {
     PerformerOptions o;
-    o.samples = 16;
+    o.features = 16;
     const Problem p = make_problem(32, m, 4, 3, false, 900 + static_cast<unsigned>(m));
     const Forward fwd = [o](const Matrix<double>& Q, const Matrix<double>& K,
                             const Matrix<double>& V, const Vector<double>&) {
@@ -400,7 +400,7 @@ TEST_CASE("Performer backward matches central finite differences of its forward"
 TEST_CASE("Performer backward: float agrees with double; bad dO throws", "[gradients][performer]") {
   const Problem p = make_problem(200, 300, 16, 8, false, 4);
   PerformerOptions o;
-  o.samples = 64;
+  o.features = 64;
   const PerformerAttentiond fd(o);
   const PerformerAttentionf ff(o);
   const auto gd = fd.backward(p.Q, p.K, p.V, fd.compute(p.Q, p.K, p.V), p.G);

@@ -29,7 +29,7 @@ using effattn::testing::bitwise_equal;
 using effattn::testing::loop_attention;
 using effattn::testing::max_abs_error;
 using effattn::testing::rel_fro_error;
-namespace ks = effattn::kepsvgp;
+namespace ks = effattn::kep_svgp;
 
 namespace {
 
@@ -131,6 +131,14 @@ KepSvgpResult<Scalar> run(const Matrix<Scalar>& Q, const Matrix<Scalar>& K, cons
 }  // namespace
 
 // ---- 1. Full rank reconstruction --------------------------------------------------------------
+
+TEST_CASE("kepsvgp (deprecated) is the namespace kep_svgp", "[kep_svgp][deprecated]") {
+  STATIC_REQUIRE(std::is_same_v<effattn::kepsvgp::CovMode, effattn::kep_svgp::CovMode>);
+  STATIC_REQUIRE(std::is_same_v<effattn::kepsvgp::KsvdResult<float>, ks::KsvdResult<float>>);
+  KepSvgpOptions o;
+  o.cov = effattn::kepsvgp::CovMode::Approx;
+  CHECK(o.cov == ks::CovMode::Approx);
+}
 
 TEST_CASE("KepSvgp full rank reproduces softmax attention exactly", "[kep_svgp]") {
   for (Index n : {1, 2, 7, 64, 257}) {

@@ -144,7 +144,7 @@ effattn::RpCholeskyResult<typename Kernel::Scalar> run(const Kernel& k, Index ra
   o.rank = rank;
   o.seed = seed;
   o.rel_tol = rel_tol;
-  o.block_size = block;
+  o.proposal_block = block;
   return effattn::rp_cholesky<Rule>(k, o);
 }
 
@@ -445,6 +445,37 @@ TEST_CASE("RPCholesky is reproducible for a fixed seed and varies with the seed"
   CHECK(et::bitwise_equal(t1.factor, t2.factor));
 }
 
+namespace {
+EFFATTN_DEPRECATED_FIELDS_BEGIN
+effattn::RpCholeskyOptions with_old_block_size(Index b) {
+  effattn::RpCholeskyOptions o;
+  o.block_size = b;
+  return o;
+}
+EFFATTN_DEPRECATED_FIELDS_END
+}  // namespace
+
+TEST_CASE("RpCholeskyOptions::block_size (deprecated) gives the factor of proposal_block",
+          "[core][rp_cholesky][deprecated]") {
+  effattn::Rng rng = effattn::make_rng(5);
+  const Matrix<float> X = effattn::random_normal<float>(400, 8, rng);
+  const effattn::ExpDotKernel<float> k(X, 1.0 / std::sqrt(8.0));
+  using Rule = policy::AcceleratedRandomlyPivoted;
+  const auto a = run<Rule>(k, 40, 17, 0, 5);
+  effattn::RpCholeskyOptions old = with_old_block_size(5);
+  old.rank = 40;
+  old.seed = 17;
+  const auto b = effattn::rp_cholesky<Rule>(k, old);
+  CHECK(a.pivots == b.pivots);
+  CHECK(et::bitwise_equal(a.factor, b.factor));
+  CHECK(a.residual_trace == b.residual_trace);
+  CHECK(effattn::RpCholesky<Rule>(old).options().proposal_block == 5);
+  effattn::RpCholeskyOptions clash = old;
+  clash.proposal_block = 4;
+  CHECK_THROWS_WITH(effattn::RpCholesky<Rule>(clash),
+                    Catch::Contains("proposal_block = 4") && Catch::Contains("block_size = 5"));
+}
+
 TEST_CASE("rel_tol stops at the first pivot that brings the trace below rel_tol * trace",
           "[core][rp_cholesky]") {
   effattn::Rng rng = effattn::make_rng(12);
@@ -482,9 +513,9 @@ TEST_CASE("RPCholesky rejects bad arguments", "[core][rp_cholesky]") {
   o.rel_tol = 1.0;
   require_invalid([&] { effattn::RpCholesky<>{o}; });
   o.rel_tol = 0;
-  o.block_size = -1;
+  o.proposal_block = -1;
   require_invalid([&] { effattn::RpCholesky<policy::AcceleratedRandomlyPivoted>{o}; });
-  o.block_size = 0;
+  o.proposal_block = 0;
   o.roundoff_factor = -1;
   require_invalid([&] { effattn::RpCholesky<>{o}; });
   require_invalid([&] { effattn::ExpDotKernel<double>(MatD(0, 3), 1.0); });

@@ -754,6 +754,44 @@ TEST_CASE("Bad inputs and options throw", "[wildcat]") {
                   effattn::invalid_argument);
 }
 
+namespace {
+EFFATTN_DEPRECATED_FIELDS_BEGIN
+WildcatOptions with_old_block_size(Index b) {
+  WildcatOptions o;
+  o.block_size = b;
+  return o;
+}
+EFFATTN_DEPRECATED_FIELDS_END
+}  // namespace
+
+TEST_CASE("WildcatOptions::block_size (deprecated) gives the output of proposal_block",
+          "[wildcat][deprecated]") {
+  const Matrix<float> Q = randn<float>(48, 8, 61), K = randn<float>(300, 8, 62),
+                      V = randn<float>(300, 6, 63);
+  WildcatOptions now;
+  now.proposal_block = 6;
+  now.rank = 40;
+  const auto a = WildcatAttentionf(now).compute(Q, K, V);
+  REQUIRE(a.info == Info::Success);
+  WildcatOptions old = with_old_block_size(6);
+  old.rank = 40;
+  const WildcatAttentionf f(old);
+  const auto b = f.compute(Q, K, V);
+  CHECK(bitwise_equal(b.output, a.output));
+  CHECK(b.pivots == a.pivots);
+  CHECK(f.options().proposal_block == 6);
+  // The free functions take the old spelling too.
+  const CompressedKV<float> ca = compress_kv(K, V, 0.0, now), cb = compress_kv(K, V, 0.0, old);
+  CHECK(cb.pivots == ca.pivots);
+  CHECK(
+      bitwise_equal(weighted_attention(Q, cb, old).output, weighted_attention(Q, ca, now).output));
+  WildcatOptions clash = old;
+  clash.proposal_block = 8;
+  CHECK_THROWS_WITH(WildcatAttentionf(clash),
+                    Catch::Contains("proposal_block = 8") && Catch::Contains("block_size = 6"));
+  CHECK_THROWS_AS(compress_kv(K, V, 0.0, clash), effattn::invalid_argument);
+}
+
 TEST_CASE("target_error: the estimate tracks the exact error and the target is met or reported",
           "[wildcat]") {
   // Oracle: exact attention in double (Naive) on every query row. Needles is left out on

@@ -225,7 +225,7 @@ class MethodAttention {
     }
     if (n == "performer") {
       PerformerAttentionf::Options o;
-      o.samples = b;
+      o.features = b;
       o.seed = m_spec.seed;
       return through<PerformerAttentionf>(o, q, k, v);
     }

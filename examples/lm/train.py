@@ -138,7 +138,7 @@ CONFIGS = {
 ATTENTION = {
     "softmax": None,  # torch's matmul / softmax / matmul (the shipped models)
     "eva": ("eva", {"window": 64, "chunk_size": 16}),
-    "performer": ("performer", {"samples": 256, "seed": 42}),
+    "performer": ("performer", {"features": 256, "seed": 42}),
     "conv_basis": ("conv_basis", {"num_bases": 16}),
     "kep_svgp": None,  # softmax in every layer but the last, which is KEP_SVGP's learned layer
 }

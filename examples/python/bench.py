@@ -9,7 +9,7 @@ the ratio to torch's exact attention measured in the same process, and the relat
 error on sampled query rows against a float64 reference:
 
   effattn exact             effattn.sdpa(q, k, v)                 (Tiled, multi-head kernel)
-  effattn performer         effattn.sdpa(..., method="performer", samples=S)
+  effattn performer         effattn.sdpa(..., method="performer", features=S)
   effattn wildcat           effattn.sdpa(..., method="wildcat", rank=R)
   torch exact               torch.softmax(q @ k.transpose(-1, -2) * s, -1) @ v
   torch sdpa                torch.nn.functional.scaled_dot_product_attention (torch >= 2.0;
@@ -105,7 +105,7 @@ def bench_shape(kind, B, H, L, d, repeat, samples, rank):
     fns = {
         "effattn exact": lambda: effattn.sdpa(q, k, v),
         f"effattn performer (S={samples})": lambda: effattn.sdpa(q, k, v, method="performer",
-                                                                 samples=samples),
+                                                                 features=samples),
         f"effattn wildcat (r={rank})": lambda: effattn.sdpa(q, k, v, method="wildcat", rank=rank),
         "torch exact (matmul+softmax)": lambda: torch_exact(q, k, v),
         f"torch performer (S={samples})": lambda: torch_performer(q, k, v, omega),

@@ -23,7 +23,7 @@ print(f"exact, 2048 x 64: {refs['clustered', False].seconds * 1e3:.1f} ms, "
 runs = [
     ("wildcat", "clustered", False, dict(rank=128)),
     ("kep_svgp", "clustered", False, dict(rank=32)),
-    ("performer", "clustered", False, dict(samples=256)),
+    ("performer", "clustered", False, dict(features=256)),
     ("eva", "positional", True, dict(window=64, chunk_size=16)),
     ("conv_basis", "positional", True, dict(num_bases=16)),
     ("vcc", "positional", False, dict(budget=256, vip=list(range(2000, 2048)))),

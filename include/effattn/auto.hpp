@@ -16,10 +16,10 @@
 ///    (1 + max_overhead) x exact attention (to the accuracy of the cost model). When no candidate
 ///    fits (small n, causal masks at tight targets, ...) exact attention runs at once, with no
 ///    probe at all.
-/// 3. The probe: `probe_rows` query rows drawn uniformly (seeded), their exact attention computed
-///    in double (O(s m (d + dv))). A candidate is accepted when its estimated relative Frobenius
-///    error on those rows is <= safety x target_error. WildCat is probed by compressing the keys
-///    once with the residual-trace tolerance rel_tol = safety x target (rank capped by the
+/// 3. The probe: `error_sample_rows` query rows drawn uniformly (seeded), their exact attention
+///    computed in double (O(s m (d + dv))). A candidate is accepted when its estimated relative
+///    Frobenius error on those rows is <= safety x target_error. WildCat is probed by compressing
+///    the keys once with the residual-trace tolerance rel_tol = safety x target (rank capped by the
 ///    budget) and attending with the sampled rows only; if it misses and budget is left, the
 ///    tolerance is tightened and the keys are compressed again; when accepted, the same compressed
 ///    cache serves every query (O(n r (d + dv))). EVA is run whole and its sampled rows compared.
@@ -39,6 +39,7 @@
 
 #include "core/checks.hpp"
 #include "core/concept.hpp"
+#include "core/deprecated.hpp"
 #include "core/types.hpp"
 
 namespace effattn {
@@ -62,19 +63,22 @@ inline const char* to_string(AutoMethod m) noexcept {
   }
 }
 
+EFFATTN_DEPRECATED_FIELDS_BEGIN  // the renamed fields' old spellings (core/deprecated.hpp)
+
 /// Options of `AutoAttention`.
 struct AutoOptions {
   /// Logit scale: the logit of (i, j) is scale * <q_i, k_j>. 0 means 1/sqrt(d).
   double scale = 0;
   /// Causal mask, bottom-right aligned (as ExactAttention; requires m >= n). Rules WildCat out.
   bool causal = false;
-  /// Relative Frobenius error target ||O - Ohat||_F / ||O||_F, estimated on `probe_rows` sampled
-  /// rows. 0 = always exact attention.
+  /// Relative Frobenius error target ||O - Ohat||_F / ||O||_F, estimated on `error_sample_rows`
+  /// sampled rows. 0 = always exact attention.
   double target_error = 1e-2;
   /// Query rows whose exact attention is computed for the estimate (at most n). 0 = automatic:
   /// n / 64 clamped to [32, 256], so the rows cost ~5% of exact attention or less (the probe
-  /// computes them at about a third of the Tiled kernel's rate).
-  Index probe_rows = 0;
+  /// computes them at about a third of the Tiled kernel's rate). The same field as
+  /// `WildcatOptions::error_sample_rows` (whose default is 64 rows).
+  Index error_sample_rows = 0;
   /// Probe budget, as a fraction of exact attention's predicted cost: the sampled rows plus every
   /// candidate tried stay within it, so a call costs at most (1 + max_overhead) x exact.
   double max_overhead = 0.2;
@@ -97,6 +101,10 @@ struct AutoOptions {
   bool allow_wildcat = true;
   /// Allow EVA as a candidate.
   bool allow_eva = true;
+
+  /// Deprecated spelling of `error_sample_rows` (honoured when not 0; removed in the next
+  /// release).
+  [[deprecated("use error_sample_rows")]] Index probe_rows = 0;
 };
 
 /// One candidate `AutoAttention` considered.
@@ -117,13 +125,16 @@ struct AutoResult : AttentionResult<Scalar> {
   /// Predicted cost of the whole call (probe + chosen method) over exact attention's, from the
   /// cost model (< 1: faster than exact).
   double predicted_cost = 1;
-  Index probe_rows = 0;  ///< rows sampled for the estimate (0: no probe was needed)
-  std::string reason;    ///< why this method, in words
+  Index error_sample_rows = 0;  ///< rows sampled for the estimate (0: no probe was needed)
+  std::string reason;           ///< why this method, in words
   std::vector<AutoCandidate> candidates;  ///< every candidate considered, in the order tried
   Vector<Scalar> lse;  ///< n log-sum-exp values when exact attention was chosen (else empty)
+  /// Deprecated spelling of `error_sample_rows` (the same value; removed in the next release).
+  [[deprecated("use error_sample_rows")]] Index probe_rows = 0;
 
   /// chosen_method (0 exact, 1 wildcat, 2 eva), budget, estimated_error, predicted_cost,
-  /// probe_rows, candidates_tried.
+  /// error_sample_rows, candidates_tried; then probe_rows, the deprecated name of
+  /// error_sample_rows (the same value; removed in the next release).
   Diagnostics diagnostics() const {
     Index tried = 0;
     for (const AutoCandidate& c : candidates) tried += c.estimated_error >= 0 ? 1 : 0;
@@ -131,10 +142,29 @@ struct AutoResult : AttentionResult<Scalar> {
             {"budget", static_cast<double>(budget)},
             {"estimated_error", estimated_error},
             {"predicted_cost", predicted_cost},
-            {"probe_rows", static_cast<double>(probe_rows)},
-            {"candidates_tried", static_cast<double>(tried)}};
+            {"error_sample_rows", static_cast<double>(error_sample_rows)},
+            {"candidates_tried", static_cast<double>(tried)},
+            {"probe_rows", static_cast<double>(error_sample_rows)}};
   }
 };
+
+namespace detail {
+/// `o` with the deprecated spelling folded into the new field (core/deprecated.hpp).
+/// \throws effattn::invalid_argument when the old and the new spelling disagree.
+inline AutoOptions resolve_renamed(AutoOptions o, const char* who) {
+  merge_renamed(o.error_sample_rows, o.probe_rows, Index(0), who, "error_sample_rows",
+                "probe_rows");
+  return o;
+}
+/// Sets `r.error_sample_rows` and its deprecated spelling `r.probe_rows` to `rows`.
+template <typename Scalar>
+void set_error_sample_rows(AutoResult<Scalar>& r, Index rows) {
+  r.error_sample_rows = rows;
+  r.probe_rows = rows;
+}
+}  // namespace detail
+
+EFFATTN_DEPRECATED_FIELDS_END
 
 /// \ingroup Methods
 /// \brief Attention at a requested accuracy: the fastest of exact attention, WildCat and EVA that
@@ -172,8 +202,9 @@ class AutoAttention {
   static constexpr bool exact = false;  ///< within the target, exact only when it chooses so
 
   /// \throws effattn::invalid_argument on a negative or non-finite scale or target_error,
-  ///         probe_rows < 0, max_overhead < 0 or non-finite, safety outside (0, 1], or a
-  ///         negative or non-finite eva_min_target.
+  ///         error_sample_rows < 0 (or a deprecated probe_rows that disagrees with it),
+  ///         max_overhead < 0 or non-finite, safety outside (0, 1], or a negative or non-finite
+  ///         eva_min_target.
   explicit AutoAttention(Options opts = {});
 
   /// Attention of Q (n x d) over K (m x d), V (m x dv) at the target accuracy.

@@ -13,12 +13,15 @@
 
 #include "conv_basis_recovery.hpp"
 #include "core/checks.hpp"
+#include "core/deprecated.hpp"
 #include "core/errors.hpp"
 #include "core/types.hpp"
 #include "gradients.hpp"
 #include "numerics/fft.hpp"
 
 namespace effattn {
+
+EFFATTN_DEPRECATED_FIELDS_BEGIN  // the renamed fields' old spellings (core/deprecated.hpp)
 
 /// Options of `ConvBasisAttention`. Thresholds are in scaled-logit units (after `scale`). There
 /// is no `causal` field: the method is causal by construction (`causal_only`).
@@ -30,7 +33,7 @@ struct ConvBasisOptions {
   /// k = n with probe = 1 and threshold = 0 reproduces exact causal attention (Cor. 4.5).
   Index num_bases = 16;
   /// T, the logits nearest the diagonal each probed column is tested on (clamped to n and to
-  /// the window).
+  /// the sliding window).
   Index probe = 8;
   /// delta (BinarySearch: thr = delta - 2 T epsilon) or tau (Scan): a column opens a new basis
   /// when the l1 distance of its first T logits to the current basis column is >= this.
@@ -39,13 +42,14 @@ struct ConvBasisOptions {
   double epsilon = 0;
   /// Grid only: explicit basis starts (first 0, strictly increasing, < n); empty = uniform.
   std::vector<Index> grid_starts;
-  /// Sliding-window causal mask: query i sees keys i - window < j <= i. 0 = no window.
-  /// Exact for the conv form: the window mask times conv(b) is conv(b truncated to `window`
-  /// lags), so the columns are simply read to lag window - 1.
-  Index window = 0;
-  /// Block-diagonal causal mask: blocks of `block_size` tokens (the last may be shorter), each
+  /// Sliding-window causal mask: query i sees keys i - sliding_window < j <= i. 0 = no window.
+  /// Exact for the conv form: the window mask times conv(b) is conv(b truncated to
+  /// `sliding_window` lags), so the columns are simply read to lag sliding_window - 1. (Not
+  /// EVA's `window`, which is an exact local block.)
+  Index sliding_window = 0;
+  /// Block-diagonal causal mask: blocks of `mask_block` tokens (the last may be shorter), each
   /// an independent causal sequence (LongLoRA-style groups). 0 = one block.
-  Index block_size = 0;
+  Index mask_block = 0;
   /// Dynamic-range guard: recompute directly the rows whose FFT result may have lost accuracy
   /// (tiny denominators; see conv_basis::evaluate).
   bool guard = true;
@@ -57,12 +61,29 @@ struct ConvBasisOptions {
   fft::ConvMethod conv_method = fft::ConvMethod::Fft;
   /// FFTW planner rigor (Estimate by default; Measure pays off with wisdom).
   fft::Rigor rigor = fft::Rigor::Estimate;
+
+  /// Deprecated spelling of `sliding_window` (honoured when not 0; removed in the next release).
+  [[deprecated("use sliding_window")]] Index window = 0;
+  /// Deprecated spelling of `mask_block` (honoured when not 0; removed in the next release).
+  [[deprecated("use mask_block")]] Index block_size = 0;
 };
+
+namespace detail {
+/// `o` with the deprecated spellings folded into the new fields (core/deprecated.hpp).
+/// \throws effattn::invalid_argument when an old and a new spelling disagree.
+inline ConvBasisOptions resolve_renamed(ConvBasisOptions o, const char* who) {
+  merge_renamed(o.sliding_window, o.window, Index(0), who, "sliding_window", "window");
+  merge_renamed(o.mask_block, o.block_size, Index(0), who, "mask_block", "block_size");
+  return o;
+}
+}  // namespace detail
+
+EFFATTN_DEPRECATED_FIELDS_END
 
 /// Result of `ConvBasisAttention::compute`.
 template <typename Scalar>
 struct ConvBasisResult : AttentionResult<Scalar> {
-  /// Recovered basis starts s_r (0-based key columns, increasing; with block_size, the starts of
+  /// Recovered basis starts s_r (0-based key columns, increasing; with mask_block, the starts of
   /// every block in global positions).
   std::vector<Index> offsets;
   /// k_eff, the number of bases used (summed over blocks).
@@ -123,9 +144,9 @@ struct ConvBasisResult : AttentionResult<Scalar> {
 /// 0.11 at k = 16 and 9e-3 at k = 256. Use it where logits are close to relative-position
 /// structure; it is not a general-purpose approximation.
 ///
-/// **Masks**: causal (always: `causal_only`), sliding window (`window`), block-diagonal causal
-/// (`block_size`); `compute(Q, K, V, mask)` accepts an explicit mask only if it is one of these.
-/// Self-attention only (`self_attention_only`): K must have as many rows as Q.
+/// **Masks**: causal (always: `causal_only`), sliding window (`sliding_window`), block-diagonal
+/// causal (`mask_block`); `compute(Q, K, V, mask)` accepts an explicit mask only if it is one of
+/// these. Self-attention only (`self_attention_only`): K must have as many rows as Q.
 ///
 /// \tparam Scalar_ float or double.
 /// \tparam FftBackend fft::Fftw or fft::EigenFft (default fft::Default).
@@ -173,7 +194,8 @@ class ConvBasisAttention {
   static constexpr bool exact = false;  ///< approximate at default options (k = n, T = 1: exact)
 
   /// \throws effattn::invalid_argument on a bad scale, num_bases < 1, probe < 1, a negative or
-  ///         non-finite threshold / epsilon / guard_tolerance, window < 0 or block_size < 0.
+  ///         non-finite threshold / epsilon / guard_tolerance, sliding_window < 0 or
+  ///         mask_block < 0; when a deprecated spelling and its new name disagree.
   explicit ConvBasisAttention(Options opts = {});
 
   /// Conv-basis attention of Q (n x d) over K (n x d), V (n x dv) with the options' mask.
@@ -183,7 +205,7 @@ class ConvBasisAttention {
 
   /// As `compute(Q, K, V)` with an explicit n x n mask, which must be causal, sliding-window
   /// causal or block-diagonal causal (or block-diagonal with a window inside each block); the
-  /// options' window and block_size must then be 0. O(n^2) to check the mask.
+  /// options' sliding_window and mask_block must then be 0. O(n^2) to check the mask.
   /// \throws effattn::invalid_argument for any other mask (e.g. non-causal, random, padding).
   [[nodiscard]] Result compute(const Ref& Q, const Ref& K, const Ref& V, const MaskRef& mask) const;
 
@@ -196,7 +218,7 @@ class ConvBasisAttention {
   }
 
   /// The basis the recovery finds for the causal logits of Q (n x d) and K (n x d) as ONE
-  /// sequence (the window is honoured; block_size is not: blocks are separate sequences).
+  /// sequence (the sliding window is honoured; mask_block is not: blocks are separate sequences).
   /// \throws effattn::invalid_argument on empty, mismatched or non-finite inputs.
   conv_basis::Basis recover(const Ref& Q, const Ref& K) const;
 
@@ -219,7 +241,7 @@ class ConvBasisAttention {
   /// (every column its own basis) H' is the causal logit matrix itself, and the result is the
   /// exact causal attention gradient.
   ///
-  /// **How** (in double, per block of `block_size`; O(k dv N log N) time, O((k + dv) N + n d)
+  /// **How** (in double, per block of `mask_block`; O(k dv N log N) time, O((k + dv) N + n d)
   /// memory, no n x n matrix). With P = D^{-1} A, A = sum_r T(c_r) S_r (segment form of
   /// `conv_basis::evaluate`), X = D^{-1} dO and z_i = <dO_i, Y_i> / D_i:
   /// - dV = A^T X: per basis r, rows [s_r, s_{r+1}) of the correlation of X with c_r (one
@@ -239,8 +261,8 @@ class ConvBasisAttention {
   /// the norms of the transformed columns), so rows the forward's guard had to recompute
   /// (`result.rows_recomputed` > 0) may carry larger relative errors in their gradients. The
   /// FFT path is always used (`conv_method` applies to the forward only). The mask is the
-  /// options' (window, block_size); a result of `compute(Q, K, V, mask)` with another mask is not
-  /// supported.
+  /// options' (sliding_window, mask_block); a result of `compute(Q, K, V, mask)` with another mask
+  /// is not supported.
   /// \throws effattn::invalid_argument on invalid Q, K, V (as `compute`), if `result` is not a
   ///         successful result of these shapes with valid offsets (each block's starts beginning
   ///         at the block start, strictly increasing), or if dO is not n x dv or not finite.
@@ -257,7 +279,7 @@ class ConvBasisAttention {
   // Evaluates one block's basis into rows [row0, row0 + n) of r.output; false on trouble.
   bool add_block(const conv_basis::Basis& b, const Ref& V, Index row0, Result& r) const;
   Result run(const Ref& Q, const Ref& K, const Ref& V, Index window, Index block) const;
-  // (window, block_size) of a supported explicit mask; throws otherwise.
+  // (sliding_window, mask_block) of a supported explicit mask; throws otherwise.
   static std::pair<Index, Index> classify_mask(const MaskRef& M, Index n);
 
   Options m_opts;

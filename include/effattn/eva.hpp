@@ -12,6 +12,7 @@
 #include <type_traits>
 #include <utility>
 
+#include "core/deprecated.hpp"
 #include "core/errors.hpp"
 #include "core/types.hpp"
 #include "gradients.hpp"
@@ -340,16 +341,33 @@ class EvaAttention {
   Options m_opts;
 };
 
+EFFATTN_DEPRECATED_FIELDS_BEGIN  // the renamed field's old spelling (core/deprecated.hpp)
+
 /// Options of `PerformerAttention`. There is no `causal`: the Performer has no causal form here
 /// (it would need a prefix recurrence), which `functor_traits::supports_causal` states.
 struct PerformerOptions {
   /// Logit scale: the kernel approximates exp(scale * <q_i, k_j>). 0 means 1/sqrt(d).
   double scale = 0;
-  /// Number of random features S; 0 (default) = 64.
-  Index samples = 0;
+  /// Number of random features S; 0 (default) = 64. (`Result::features` reports the count used;
+  /// EVA's `samples` are per-chunk samples, another quantity.)
+  Index features = 0;
   /// Seed of the random features.
   std::uint64_t seed = 0x5eedULL;
+
+  /// Deprecated spelling of `features` (honoured when not 0; removed in the next release).
+  [[deprecated("use features")]] Index samples = 0;
 };
+
+namespace detail {
+/// `o` with the deprecated spelling folded into the new field (core/deprecated.hpp).
+/// \throws effattn::invalid_argument when the old and the new spelling disagree.
+inline PerformerOptions resolve_renamed(PerformerOptions o, const char* who) {
+  merge_renamed(o.features, o.samples, Index(0), who, "features", "samples");
+  return o;
+}
+}  // namespace detail
+
+EFFATTN_DEPRECATED_FIELDS_END
 
 /// Result of `PerformerAttention::compute`.
 template <typename Scalar>
@@ -386,7 +404,7 @@ struct PerformerResult : AttentionResult<Scalar> {
 /// \code{.cpp}
 /// #include <effattn/eva.hpp>
 /// effattn::PerformerAttentionf::Options p;
-/// p.samples = 256;  // 256 positive random features
+/// p.features = 256;  // 256 positive random features
 /// Eigen::MatrixXf rfa = effattn::PerformerAttentionf(p)(Q, K, V);
 /// \endcode
 ///
@@ -418,7 +436,8 @@ class PerformerAttention {
   /// A Monte-Carlo approximation.
   static constexpr bool exact = false;
 
-  /// \throws effattn::invalid_argument on a negative or non-finite scale or negative samples.
+  /// \throws effattn::invalid_argument on a negative or non-finite scale, negative features, or
+  ///         a deprecated `samples` that disagrees with `features`.
   explicit PerformerAttention(Options opts = {});
 
   /// Performer attention of Q (n x d) over K (m x d), V (m x dv); see the class documentation.
@@ -455,9 +474,9 @@ class PerformerAttention {
   [[nodiscard]] Gradients backward(const Ref& Q, const Ref& K, const Ref& V, const Result& result,
                                    const Ref& dO) const;
 
-  /// The number of random features used (`Options::samples`, or 64 when it is 0).
+  /// The number of random features used (`Options::features`, or 64 when it is 0).
   [[nodiscard]] Index features() const noexcept {
-    return m_opts.samples > 0 ? m_opts.samples : Index(64);
+    return m_opts.features > 0 ? m_opts.features : Index(64);
   }
 
   /// The options this functor was built with.

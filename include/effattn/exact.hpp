@@ -68,8 +68,10 @@ struct ExactOptions {
   Index block_q = 0;
   /// Keys per tile (Tiled only). 0 = automatic.
   Index block_k = 0;
-  /// TiledBf16 with float inputs: one bf16 score product or three (see `Bf16Scores`). Other
-  /// policies and bf16 inputs (whose K is exactly bf16 already) ignore it.
+  /// TiledBf16 with float inputs: one bf16 score product or three (see `Bf16Scores`). The
+  /// other policies form their scores in fp32 / double (`ExactAttention::uses_bf16_scores` is
+  /// false): they reject any value but `Auto`. With bf16 inputs (whose K is exactly bf16 already)
+  /// TiledBf16 forms one product whatever the value.
   Bf16Scores bf16_scores = Bf16Scores::Auto;
 };
 
@@ -193,8 +195,13 @@ class ExactAttention {
   static constexpr bool self_attention_only = false;
   /// The output is softmax attention up to round-off.
   static constexpr bool exact = true;
+  /// Whether `Options::bf16_scores` applies (TiledBf16 only; Tiled and Naive throw on any value
+  /// but `Bf16Scores::Auto` rather than ignore it).
+  static constexpr bool uses_bf16_scores = std::is_same_v<Policy, policy::TiledBf16>;
 
-  /// \throws effattn::invalid_argument if `scale` is negative or non-finite, or a block size < 0.
+  /// \throws effattn::invalid_argument if `scale` is negative or non-finite, a block size < 0,
+  ///         `bf16_scores` is not a Bf16Scores value, or it is not `Auto` for a policy other
+  ///         than TiledBf16.
   explicit ExactAttention(Options opts = {}) : m_opts(opts) {
     detail::check_scale_option(m_opts.scale, name);
     EFFATTN_CHECK(
@@ -206,6 +213,13 @@ class ExactAttention {
     EFFATTN_CHECK(detail::is_one_of(m_opts.bf16_scores,
                                     {Bf16Scores::Auto, Bf16Scores::Single, Bf16Scores::Split}),
                   detail::cat(name, ": Options::bf16_scores is not a Bf16Scores value"));
+    EFFATTN_CHECK(uses_bf16_scores || m_opts.bf16_scores == Bf16Scores::Auto,
+                  detail::cat(name,
+                              ": Options::bf16_scores applies to policy::TiledBf16 only, not to "
+                              "policy::",
+                              std::is_same_v<Policy, policy::Naive> ? "Naive" : "Tiled",
+                              ", whose scores are not bf16 products: leave it at "
+                              "Bf16Scores::Auto"));
   }
 
   /// Attention of Q (n x d) over K (m x d), V (m x dv); `output` is n x dv, `lse` has n values.

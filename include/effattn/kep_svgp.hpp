@@ -38,7 +38,7 @@
 #include "core/types.hpp"
 
 namespace effattn {
-namespace kepsvgp {
+namespace kep_svgp {
 
 /// Posterior covariance: Full keeps the truncation residual K K^T - H_e Lambda^2 H_e^T (needed
 /// for any training-free variance), Approx drops it (the paper's Remark 3.1).
@@ -79,7 +79,12 @@ struct VariationalParams {
   std::vector<Matrix<Scalar>> L_u;  ///< dv lower-triangular s x s factors, positive diagonal
 };
 
-}  // namespace kepsvgp
+}  // namespace kep_svgp
+
+/// Deprecated name of `kep_svgp` (the enum namespace takes its header's name, as `eva::` and
+/// `wildcat::` do). Kept for one release; C++ cannot mark a namespace alias `[[deprecated]]`, so
+/// the compiler does not warn: see CHANGELOG.md.
+namespace kepsvgp = kep_svgp;
 
 namespace policy {
 
@@ -190,14 +195,17 @@ struct KepSvgpOptions {
   /// Relative cut-off of the singular values; 0 = 1e-12 (double) / 1e-6 (float).
   double rank_rtol = 0;
   /// Full (default; training-free variance) or Approx (Remark 3.1).
-  kepsvgp::CovMode cov = kepsvgp::CovMode::Full;
+  kep_svgp::CovMode cov = kep_svgp::CovMode::Full;
   /// Prior scale sigma_c^2 per value column.
-  kepsvgp::PriorScale prior = kepsvgp::PriorScale::Auto;
+  kep_svgp::PriorScale prior = kep_svgp::PriorScale::Auto;
   /// r-branch semantics (Addition / Concatenation merges).
-  kepsvgp::RBranch rbranch = kepsvgp::RBranch::Shared;
+  kep_svgp::RBranch rbranch = kep_svgp::RBranch::Shared;
   /// Kernel rows per streamed block; 0 = automatic (about 2M entries, 32..256 rows).
   Index block_rows = 0;
-  /// Seed of the randomized sketch and of the random features.
+  /// Seed of the randomized sketch and of the random features. Its default differs from the
+  /// 0x5eed of the other randomized methods (EVA, Performer, WildCat, AutoAttention, KvPress):
+  /// it is kept so that default outputs do not change; a seed passed explicitly gives the same
+  /// output whatever the defaults.
   std::uint64_t seed = 0x6b6570ULL;
 };
 
@@ -214,7 +222,7 @@ struct KepSvgpResult : AttentionResult<Scalar> {
   /// sigma_c^2 used for every value column (dv).
   Vector<Scalar> prior_variance;
   /// The truncated KSVD.
-  kepsvgp::KsvdResult<Scalar> ksvd;
+  kep_svgp::KsvdResult<Scalar> ksvd;
   /// Rank r actually used (= ksvd.rank_used).
   Index rank_used = 0;
   /// ExpKernel: the constant c in K = exp(scale Q K^T - c); 0 otherwise.
@@ -261,7 +269,7 @@ struct KepSvgpResult : AttentionResult<Scalar> {
 /// auto r = effattn::KepSvgpAttentiond(o).compute(Q, K, V);
 /// // r.output: rank-32 attention (2048 x 64); r.variance: its per-entry predictive variance
 /// Eigen::MatrixXd draw = effattn::KepSvgpAttentiond(o).sample(
-///     Q, K, r, effattn::kepsvgp::SampleMode::Joint, std::uint64_t{7});
+///     Q, K, r, effattn::kep_svgp::SampleMode::Joint, std::uint64_t{7});
 /// \endcode
 ///
 /// \par Gradients
@@ -298,7 +306,7 @@ class KepSvgpAttention {
   using MatrixType = Matrix<Scalar>;     ///< `Matrix<Scalar>`
   using Ref = ConstRef<Scalar>;          ///< the input type, `ConstRef<Scalar>`
   using VariationalParams =
-      kepsvgp::VariationalParams<Scalar>;  ///< variational parameters of the trainer interface
+      kep_svgp::VariationalParams<Scalar>;  ///< variational parameters of the trainer interface
 
   /// Name used in messages.
   static constexpr const char* name = "KepSvgpAttention";
@@ -346,19 +354,19 @@ class KepSvgpAttention {
   /// Concatenation draw jointly in CovMode::Approx only. `Q`, `K` must be those of `compute`.
   /// \throws effattn::invalid_argument on mismatched arguments or an unsupported combination.
   [[nodiscard]] MatrixType sample(const Ref& Q, const Ref& K, const Result& res,
-                                  kepsvgp::SampleMode mode, Rng& rng) const;
+                                  kep_svgp::SampleMode mode, Rng& rng) const;
   /// As above for a `res` of `compute(Q, K, V, vp)` (same `vp`): the Joint draw also adds
   /// F Lambda^-1 L_c eps_c (F = E; E + R for Addition; eps_c in R^r shared by all tokens and,
   /// for Addition / Concatenation, by both branches, eq. 18).
   [[nodiscard]] MatrixType sample(const Ref& Q, const Ref& K, const Result& res,
-                                  kepsvgp::SampleMode mode, Rng& rng,
+                                  kep_svgp::SampleMode mode, Rng& rng,
                                   const VariationalParams& vp) const;
   /// As the `Rng&` form, with a generator seeded from `seed` (stream 2).
   [[nodiscard]] MatrixType sample(const Ref& Q, const Ref& K, const Result& res,
-                                  kepsvgp::SampleMode mode, std::uint64_t seed) const;
+                                  kep_svgp::SampleMode mode, std::uint64_t seed) const;
   /// As the `Rng&` form with `vp`, with a generator seeded from `seed` (stream 2).
   [[nodiscard]] MatrixType sample(const Ref& Q, const Ref& K, const Result& res,
-                                  kepsvgp::SampleMode mode, std::uint64_t seed,
+                                  kep_svgp::SampleMode mode, std::uint64_t seed,
                                   const VariationalParams& vp) const;
 
   /// The options this functor was built with.
@@ -370,8 +378,8 @@ class KepSvgpAttention {
   static constexpr bool kConcat = std::is_same_v<Merge, policy::Concatenation>;
 
   Result run(const Ref& Q, const Ref& K, const Ref& V, const VariationalParams* vp) const;
-  MatrixType draw(const Ref& Q, const Ref& K, const Result& res, kepsvgp::SampleMode mode, Rng& rng,
-                  const VariationalParams* vp) const;
+  MatrixType draw(const Ref& Q, const Ref& K, const Result& res, kep_svgp::SampleMode mode,
+                  Rng& rng, const VariationalParams* vp) const;
   void assemble(Result& res, const Ref& V, const VariationalParams* vp, bool transpose) const;
   static void check_vp(const VariationalParams& vp, Index s, Index dv);
 

@@ -1,7 +1,7 @@
 /// \file kep_svgp_training.hpp
-/// \brief KEP-SVGP's trainer utilities (eq. 11, 20, 21): `kepsvgp::kl_divergence`, `ksvd_loss`,
+/// \brief KEP-SVGP's trainer utilities (eq. 11, 20, 21): `kep_svgp::kl_divergence`, `ksvd_loss`,
 /// `elbo`, `normalized_cumulative_spectrum` and `from_log_inv_sqrt`; and the paper's learned
-/// layer, `kepsvgp::learned_layer` (primal projections, learned Lambda and q(u)), the forward of
+/// layer, `kep_svgp::learned_layer` (primal projections, learned Lambda and q(u)), the forward of
 /// a KEP-SVGP layer a trainer has fitted. `<effattn/kep_svgp.hpp>` includes this header.
 #pragma once
 
@@ -16,7 +16,7 @@
 
 namespace effattn {
 
-namespace kepsvgp {
+namespace kep_svgp {
 
 /// KL(q(u) || p(u)) of eq. 21 (Prop. 4.1), p(u_c) = N(0, Lambda^2), q(u_c) = N(m_c, L_c L_c^T),
 /// summed over the dv columns: 1/2 sum_c [ ||Lambda^-1 L_c||_F^2 + m_c^T Lambda^-2 m_c
@@ -95,9 +95,9 @@ Vector<Scalar> from_log_inv_sqrt(const Vector<Scalar>& theta) {
   return (Scalar(-2) * theta.array()).exp().matrix();
 }
 
-}  // namespace kepsvgp
+}  // namespace kep_svgp
 
-namespace kepsvgp {
+namespace kep_svgp {
 
 template <typename Scalar>
 double kl_divergence(const Vector<Scalar>& lambda, const VariationalParams<Scalar>& vp) {
@@ -217,5 +217,5 @@ Vector<Scalar> normalized_cumulative_spectrum(const Vector<Scalar>& sigma, Power
   return c;
 }
 
-}  // namespace kepsvgp
+}  // namespace kep_svgp
 }  // namespace effattn

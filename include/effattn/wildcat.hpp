@@ -26,6 +26,7 @@
 
 #include "core/checks.hpp"
 #include "core/concept.hpp"
+#include "core/deprecated.hpp"
 #include "core/types.hpp"
 #include "numerics/rp_cholesky.hpp"
 
@@ -50,6 +51,8 @@ inline double rho0();
 inline double temperature_squared(double beta, double q_radius, double k_radius, Index m_bin);
 
 }  // namespace wildcat
+
+EFFATTN_DEPRECATED_FIELDS_BEGIN  // the renamed field's old spelling (core/deprecated.hpp)
 
 /// Options of `WildcatAttention`, `compress_kv`, `recompress_tail` and `weighted_attention`.
 /// WildCat has no causal form (the paper lists it as a limitation):
@@ -89,8 +92,9 @@ struct WildcatOptions {
   /// negative weights the sum can cancel to a tiny or negative value whose quotient is noise.
   /// Such rows get the fallback and are counted in `fallback_rows`.
   double denominator_tol = 1e-12;
-  /// Accelerated RPCholesky: proposals per block (0 = automatic).
-  Index block_size = 0;
+  /// Accelerated RPCholesky: pivot proposals per block (0 = automatic;
+  /// `RpCholeskyOptions::proposal_block`).
+  Index proposal_block = 0;
   /// Error target (0 = off): the relative Frobenius error ||O - Ohat||_F / ||O||_F that
   /// `compute` aims for, *estimated* (not certified) on `error_sample_rows` query rows drawn
   /// uniformly without replacement, whose exact attention is computed (O(s m (d + dv)) extra).
@@ -104,7 +108,8 @@ struct WildcatOptions {
   /// growing) the target may be missed, which the result reports (`estimated_error` > target).
   /// Ignored by `compress_kv` / `recompress_tail` (no queries).
   double target_error = 0;
-  /// Query rows sampled for the `target_error` estimate (min(n, this); >= 1).
+  /// Query rows sampled for the `target_error` estimate (min(n, this); >= 1). The same field
+  /// as `AutoOptions::error_sample_rows`, whose default 0 picks the count from n.
   Index error_sample_rows = 64;
   /// Coreset attention (the two products of WtdAttn, S = beta Q K_S^T and P V_S) with bf16
   /// operands and fp32 accumulation, on the kernels of `policy::TiledBf16` (`active_isa()`:
@@ -115,7 +120,21 @@ struct WildcatOptions {
   /// (~1e-2 at r = 256 on sphere), and `error_bound` does not cover the rounding. Measured speed:
   /// docs/methods/wildcat.md.
   bool bf16_attention = false;
+
+  /// Deprecated spelling of `proposal_block` (honoured when not 0; removed in the next release).
+  [[deprecated("use proposal_block")]] Index block_size = 0;
 };
+
+namespace detail {
+/// `o` with the deprecated spelling folded into the new field (core/deprecated.hpp).
+/// \throws effattn::invalid_argument when the old and the new spelling disagree.
+inline WildcatOptions resolve_renamed(WildcatOptions o, const char* who) {
+  merge_renamed(o.proposal_block, o.block_size, Index(0), who, "proposal_block", "block_size");
+  return o;
+}
+}  // namespace detail
+
+EFFATTN_DEPRECATED_FIELDS_END
 
 /// One compressed bin (or exactly kept bin) of a `CompressedKV`; the data of the error bound.
 struct WildcatBlock {
@@ -297,8 +316,9 @@ class WildcatAttention {
   static constexpr bool exact = false;  ///< a rank-r approximation (exact only when rank >= m)
 
   /// \throws effattn::invalid_argument on rank < 1, bins < 1, rel_tol outside [0, 1), a negative
-  ///         or non-finite scale / q_radius / denominator_tol / target_error, block_size < 0,
-  ///         error_sample_rows < 1, or an invalid fallback enumerator.
+  ///         or non-finite scale / q_radius / denominator_tol / target_error, proposal_block < 0,
+  ///         error_sample_rows < 1, an invalid fallback enumerator, or a deprecated spelling that
+  ///         disagrees with its new name.
   explicit WildcatAttention(Options opts = {});
 
   /// WildCat attention of Q (n x d) over K (m x d), V (m x dv). Numerical breakdown of the
@@ -347,7 +367,7 @@ using WildcatAttentiond = WildcatAttention<double>;
 ///        each bin's R_K (the official code's default for caches). Queries with larger norms
 ///        are still handled, but the temperature was tuned for R_Q.
 /// \param opts scale (must match the later `weighted_attention`), rank, bins, seed, rel_tol,
-///        temperature, block_size. Cost O(m r^2 / B + m r (d + dv) / B) time.
+///        temperature, proposal_block. Cost O(m r^2 / B + m r (d + dv) / B) time.
 /// \tparam PivotRule the RPCholesky rule (accelerated by default; same pivot distribution as the
 ///         sequential rule, GEMM-shaped).
 /// \throws effattn::invalid_argument on bad options (rank < 1, ...), empty, mismatched or

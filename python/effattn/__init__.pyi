@@ -73,7 +73,8 @@ def attention(
     """One head: softmax(scale q k^T [+ causal mask]) v, exact or approximated.
 
     q (n, d), k (m, d), v (m, dv). Options are the method's C++ Options fields (e.g. rank=64,
-    seed=3, policy='naive'); unknown options raise ValueError. uint16 arrays are bf16 bits.
+    seed=3, policy='naive'); unknown options raise ValueError. The old keyword of a renamed
+    option (CHANGELOG.md) still works, with a DeprecationWarning. uint16 arrays are bf16 bits.
     """
 
 def sdpa(

@@ -135,7 +135,7 @@ def attention(
     (B, H, L, dv) output in q's dtype (float32 for half-precision inputs). ``causal`` is the bottom-right aligned mask (query i sees
     keys j <= i + S - L; torch's ``is_causal`` when L == S). ``options`` are the method's C++
     Options fields as keyword arguments (``effattn.sdpa``'s), e.g. ``window=64`` for ``eva``,
-    ``samples=128, seed=1`` for ``performer``, ``policy="naive"`` for ``exact``; unknown options
+    ``features=128, seed=1`` for ``performer``, ``policy="naive"`` for ``exact``; unknown options
     and bad shapes raise ``ValueError``, a numerical failure ``FloatingPointError``.
 
     Gradients: for ``methods_with_backward``, with respect to every input that requires grad

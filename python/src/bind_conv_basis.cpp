@@ -14,8 +14,8 @@ ConvBasisOptions conv_basis_options(Kwargs& kw) {
   kw.get("probe", o.probe);
   kw.get("threshold", o.threshold);
   kw.get("epsilon", o.epsilon);
-  kw.get("window", o.window);
-  kw.get("block_size", o.block_size);
+  kw.get_renamed("sliding_window", "window", o.sliding_window);
+  kw.get_renamed("mask_block", "block_size", o.mask_block);
   kw.get("guard", o.guard);
   kw.get("guard_tolerance", o.guard_tolerance);
   kw.get_enum("conv_method", o.conv_method,

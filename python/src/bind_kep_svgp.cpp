@@ -15,13 +15,13 @@ PyResult run_kep_svgp(const Packed& p, Kwargs& kw, bool causal) {
   kw.get("power_iters", o.power_iters);
   kw.get("rank_rtol", o.rank_rtol);
   kw.get_enum("cov", o.cov,
-              {{"full", kepsvgp::CovMode::Full}, {"approx", kepsvgp::CovMode::Approx}});
+              {{"full", kep_svgp::CovMode::Full}, {"approx", kep_svgp::CovMode::Approx}});
   kw.get_enum("prior", o.prior,
-              {{"auto", kepsvgp::PriorScale::Auto},
-               {"value_second_moment", kepsvgp::PriorScale::ValueSecondMoment},
-               {"unit", kepsvgp::PriorScale::Unit}});
+              {{"auto", kep_svgp::PriorScale::Auto},
+               {"value_second_moment", kep_svgp::PriorScale::ValueSecondMoment},
+               {"unit", kep_svgp::PriorScale::Unit}});
   kw.get_enum("rbranch", o.rbranch,
-              {{"shared", kepsvgp::RBranch::Shared}, {"transpose", kepsvgp::RBranch::Transpose}});
+              {{"shared", kep_svgp::RBranch::Shared}, {"transpose", kep_svgp::RBranch::Transpose}});
   kw.get("block_rows", o.block_rows);
   kw.get("seed", o.seed);
   kw.finish();

@@ -53,7 +53,7 @@ PyResult run_performer(const Packed& p, Kwargs& kw, bool causal) {
   check_causal<PerformerAttention<float>>(kw, causal);
   PerformerOptions o;
   kw.get("scale", o.scale);
-  kw.get("samples", o.samples);
+  kw.get_renamed("features", "samples", o.features);
   kw.get("seed", o.seed);
   kw.finish();
   return by_dtype(p.dtype, [&](auto tag) {
@@ -66,7 +66,7 @@ PyResult run_auto(const Packed& p, Kwargs& kw, bool causal) {
   AutoOptions o;
   kw.get("scale", o.scale);
   kw.get("target_error", o.target_error);
-  kw.get("probe_rows", o.probe_rows);
+  kw.get_renamed("error_sample_rows", "probe_rows", o.error_sample_rows);
   kw.get("max_overhead", o.max_overhead);
   kw.get("safety", o.safety);
   kw.get("eva_min_target", o.eva_min_target);

@@ -22,7 +22,7 @@ WildcatOptions wildcat_options(Kwargs& kw, WildcatOptions o = {}) {
   kw.get_enum("fallback", o.fallback,
               {{"zero", wildcat::Fallback::Zero}, {"midpoint", wildcat::Fallback::Midpoint}});
   kw.get("denominator_tol", o.denominator_tol);
-  kw.get("block_size", o.block_size);
+  kw.get_renamed("proposal_block", "block_size", o.proposal_block);
   kw.get("fit_temperature", o.fit_temperature);
   kw.get("bf16_attention", o.bf16_attention);
   kw.get("target_error", o.target_error);

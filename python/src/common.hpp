@@ -145,6 +145,30 @@ class Kwargs {
     }
   }
 
+  /// Reads option `name` into `out`, also under its deprecated spelling `old_name` (a renamed
+  /// Options field): the old keyword works with a DeprecationWarning, and passing both with
+  /// different values raises ValueError. The old spelling is not listed among the options.
+  template <typename T>
+  void get_renamed(const char* name, const char* old_name, T& out) {
+    if (!m_left.contains(old_name)) {
+      get(name, out);
+      return;
+    }
+    const bool both = m_left.contains(name);
+    T old_value = out;
+    get(old_name, old_value);
+    m_known.pop_back();
+    get(name, out);
+    const std::string msg = m_function + ": option " + old_name + " of method '" + m_method +
+                            "' is deprecated; use " + name;
+    if (PyErr_WarnEx(PyExc_DeprecationWarning, msg.c_str(), 1) != 0) throw py::error_already_set();
+    if (both && !(old_value == out))
+      throw py::value_error(m_function + ": options " + name + " and its deprecated spelling " +
+                            old_name + " of method '" + m_method +
+                            "' were both passed with different values; pass only " + name);
+    out = old_value;
+  }
+
   /// Reads an enum option given as a string.
   template <typename E>
   void get_enum(const char* name, E& out,

@@ -599,16 +599,17 @@ output is a new C-contiguous (n, dv) array. uint16 arrays are bf16 bit patterns 
 method:  'exact'       options: scale, block_q, block_k, policy ('tiled' | 'naive' | 'tiled_bf16'),
                        bf16_scores ('auto' | 'single' | 'split': tiled_bf16's score product)
          'conv_basis'  causal by construction (pass causal=True); num_bases, probe, threshold,
-                       epsilon, window, block_size, guard, guard_tolerance, conv_method
+                       epsilon, sliding_window, mask_block, guard, guard_tolerance,
+                       conv_method
          'vcc'         budget, block_size, fine_blocks, clamp_budget, lookahead, vip (row list)
          'eva'         window, chunk_size, samples, seed, mass, proposal, partition
-         'performer'   samples, seed
+         'performer'   features, seed
          'wildcat'     rank, bins, seed, clip, rel_tol, q_radius, temperature, fallback,
-                       denominator_tol, block_size, target_error, error_sample_rows,
+                       denominator_tol, proposal_block, target_error, error_sample_rows,
                        fit_temperature, bf16_attention
          'kep_svgp'    rank, oversample, power_iters, rank_rtol, cov, prior, rbranch,
                        block_rows, seed
-         'auto'        target_error, probe_rows, max_overhead, safety, eva_min_target,
+         'auto'        target_error, error_sample_rows, max_overhead, safety, eva_min_target,
                        wildcat_min_rank_error, seed, allow_wildcat, allow_eva (AutoAttention: the fastest of exact,
                        wildcat and eva meeting target_error on sampled exact rows; the
                        Result's chosen, reason and diagnostics say which and why)

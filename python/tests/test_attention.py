@@ -92,7 +92,7 @@ def test_every_method_exact_setting(rng, dtype, tol, case):
         ("vcc", False, dict(budget=64, vip=list(range(240, 256))), "positional", 0.5),
         ("eva", True, dict(window=16, chunk_size=8), "positional", 0.8),
         ("eva", False, dict(window=32, chunk_size=16, samples=2), "positional", 0.8),
-        ("performer", False, dict(samples=256), "clustered", 0.75),
+        ("performer", False, dict(features=256), "clustered", 0.75),
         ("conv_basis", True, dict(num_bases=16, probe=8), "positional", 0.8),
     ],
 )
@@ -163,7 +163,7 @@ def test_wildcat_bf16_attention():
 
 def test_seeds_are_deterministic(rng):
     q, k, v = qkv(rng, 80, 80, 16)
-    for method, opts in [("wildcat", dict(rank=20)), ("performer", dict(samples=32)),
+    for method, opts in [("wildcat", dict(rank=20)), ("performer", dict(features=32)),
                          ("kep_svgp", dict(rank=6)), ("eva", dict(window=8, chunk_size=4, samples=3))]:
         a = effattn.attention(q, k, v, method=method, seed=5, **opts).output
         b = effattn.attention(q, k, v, method=method, seed=5, **opts).output
@@ -290,9 +290,61 @@ def test_auto_meets_its_target_and_says_why():
     assert 0 < r.diagnostics["estimated_error"] <= 0.9 * 0.05
     # Default budget at this size: exact attention, with its lse and bits.
     e = effattn.attention(q, k, v, method="auto")
-    assert e.chosen == "exact" and e.diagnostics["probe_rows"] == 0
+    assert e.chosen == "exact" and e.diagnostics["error_sample_rows"] == 0
     # Exact attention through the per-head path (column-major copies): equal to the in-place
     # row-major kernel up to round-off (measured 5e-8 relative).
     assert rel_err(e.output, effattn.attention(q, k, v).output) < 1e-6
     with pytest.raises(ValueError, match="safety"):
         effattn.attention(q, k, v, method="auto", safety=2.0)
+
+
+@pytest.mark.parametrize(
+    "method,causal,new,old,value,base",
+    [
+        ("performer", False, "features", "samples", 24, {}),
+        ("conv_basis", True, "sliding_window", "window", 24, dict(num_bases=8)),
+        ("conv_basis", True, "mask_block", "block_size", 40, dict(num_bases=8)),
+        ("wildcat", False, "proposal_block", "block_size", 6, dict(rank=40)),
+        ("auto", False, "error_sample_rows", "probe_rows", 48,
+         dict(target_error=0.05, max_overhead=50)),
+    ],
+)
+def test_renamed_option_old_keyword_warns_and_gives_the_same_output(method, causal, new, old,
+                                                                    value, base):
+    # auto: a shape at which WildCat is chosen, so that the sampled rows are used.
+    n, d = (2048, 64) if method == "auto" else (96, 16)
+    q, k, v = effattn.workload("sphere", n, d, seed=9)
+    a = effattn.attention(q, k, v, method=method, causal=causal, **base, **{new: value})
+    with pytest.warns(DeprecationWarning, match=f"{old} .*deprecated; use {new}"):
+        b = effattn.attention(q, k, v, method=method, causal=causal, **base, **{old: value})
+    assert np.array_equal(a.output, b.output)
+    assert a.diagnostics == b.diagnostics
+    # Both spellings with one value are accepted (with the warning); different values are not.
+    with pytest.warns(DeprecationWarning):
+        c = effattn.attention(q, k, v, method=method, causal=causal, **base,
+                              **{new: value, old: value})
+    assert np.array_equal(a.output, c.output)
+    with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match=f"{new} and its"):
+        effattn.attention(q, k, v, method=method, causal=causal, **base,
+                          **{new: value, old: value + 1})
+    if method == "auto":
+        assert a.chosen == "wildcat" and a.diagnostics["error_sample_rows"] == value
+        assert a.diagnostics["probe_rows"] == value  # the deprecated key, for one release
+
+
+def test_renamed_option_old_keyword_in_the_cache_functions(rng):
+    k, v = rng.standard_normal((300, 8)), rng.standard_normal((300, 6))
+    q = rng.standard_normal((20, 8))
+    a = effattn.weighted_attention(q, effattn.compress_kv(k, v, rank=40, proposal_block=6))
+    with pytest.warns(DeprecationWarning, match="block_size"):
+        cache = effattn.compress_kv(k, v, rank=40, block_size=6)
+    assert np.array_equal(a.output, effattn.weighted_attention(q, cache).output)
+
+
+def test_bf16_scores_is_rejected_by_policies_without_bf16_scores(rng):
+    q, k, v = qkv(rng, 16, 32, 8)
+    for policy in ("tiled", "naive"):
+        with pytest.raises(ValueError, match=f"bf16_scores.*policy::{policy.capitalize()}"):
+            effattn.attention(q, k, v, policy=policy, bf16_scores="split")
+        r = effattn.attention(q, k, v, policy=policy, bf16_scores="auto")
+        assert r.info == "Success"

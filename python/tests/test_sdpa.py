@@ -57,7 +57,7 @@ def test_exact_sdpa_gqa_against_numpy(rng, G, causal, layout):
         ("kep_svgp", False, dict(rank=5)),
         ("conv_basis", True, dict(num_bases=4)),
         ("eva", True, dict(window=8, chunk_size=4)),
-        ("performer", False, dict(samples=16)),
+        ("performer", False, dict(features=16)),
         ("vcc", False, dict(budget=12, vip=[0, 1])),
         ("exact", True, dict(policy="naive")),
     ],

@@ -27,7 +27,7 @@ GRADCHECK = [
     ("exact", False, 1, {}),
     ("conv_basis", True, 2, {"num_bases": 3, "probe": 2}),
     ("conv_basis", True, 1, {}),
-    ("performer", False, 2, {"samples": 16, "seed": 3}),
+    ("performer", False, 2, {"features": 16, "seed": 3}),
     ("eva", False, 2, {"window": 4, "chunk_size": 2}),
     ("eva", True, 2, {"window": 4, "chunk_size": 2}),
     ("eva", True, 1, {"window": 4, "chunk_size": 4, "samples": 2, "seed": 5}),
@@ -69,7 +69,7 @@ def test_eva_equals_exact_when_the_window_covers_every_key():
 @pytest.mark.parametrize("method,causal,opts", [
     ("exact", True, {}),
     ("conv_basis", True, {"num_bases": 4}),
-    ("performer", False, {"samples": 32}),
+    ("performer", False, {"features": 32}),
     ("eva", True, {"window": 8, "chunk_size": 4}),
 ])
 def test_float32_gradients_follow_float64(method, causal, opts):
@@ -207,7 +207,7 @@ def test_numpy_level_backward_of_eva_and_performer_matches_effattn_torch():
     q, k, v = inputs(1, 4, 2, 24, 24, 8, seed=9)
     w = torch.randn(1, 4, 24, 8, dtype=torch.float64)
     for method, causal, opts in [("eva", True, {"window": 8, "chunk_size": 4}),
-                                 ("performer", False, {"samples": 32, "seed": 4})]:
+                                 ("performer", False, {"features": 32, "seed": 4})]:
         ref = torch.autograd.grad((et.attention(q, k, v, method, causal, **opts) * w).sum(),
                                   (q, k, v))
         got = effattn.sdpa_backward(q.detach(), k.detach(), v.detach(), w, is_causal=causal,

@@ -200,7 +200,7 @@ struct FuzzConfig<PerformerAttention<S>> {
     typename PerformerAttention<S>::Options o;
     o.scale = in.scale;
     o.seed = in.opt2;
-    o.samples = 1 + (in.opt2 & 31);
+    o.features = 1 + (in.opt2 & 31);
     check(PerformerAttention<S>(o).compute(in.Q, in.K, in.V), in.n, in.V);
   }
 };
@@ -233,8 +233,8 @@ struct FuzzConfig<ConvBasisAttention<S>> {
     o.num_bases = 1 + (in.opt2 & 15);
     o.probe = 1 + ((in.opt2 >> 4) & 7);
     o.threshold = (in.opt >> 1) & 1 ? 0.0 : 0.5;
-    o.window = (in.opt >> 2) & 1 ? 3 : 0;
-    o.block_size = (in.opt >> 3) & 1 ? 5 : 0;
+    o.sliding_window = (in.opt >> 2) & 1 ? 3 : 0;
+    o.mask_block = (in.opt >> 3) & 1 ? 5 : 0;
     check(ConvBasisAttention<S>(o).compute(in.Q, in.K, in.V), in.n, in.V);
   }
 };

@@ -70,9 +70,9 @@ inline void check_auto_options(const AutoOptions& o) {
   EFFATTN_CHECK(
       std::isfinite(o.target_error) && o.target_error >= 0,
       cat("AutoAttention: Options::target_error must be finite and >= 0; got ", o.target_error));
-  EFFATTN_CHECK(
-      o.probe_rows >= 0,
-      cat("AutoAttention: Options::probe_rows must be >= 0 (0 = automatic); got ", o.probe_rows));
+  EFFATTN_CHECK(o.error_sample_rows >= 0,
+                cat("AutoAttention: Options::error_sample_rows must be >= 0 (0 = automatic); got ",
+                    o.error_sample_rows));
   EFFATTN_CHECK(
       std::isfinite(o.max_overhead) && o.max_overhead >= 0,
       cat("AutoAttention: Options::max_overhead must be finite and >= 0; got ", o.max_overhead));
@@ -106,7 +106,7 @@ inline std::string auto_fmt(double x) {
 }  // namespace detail
 
 template <typename Scalar_>
-AutoAttention<Scalar_>::AutoAttention(Options opts) : m_opts(opts) {
+AutoAttention<Scalar_>::AutoAttention(Options opts) : m_opts(detail::resolve_renamed(opts, name)) {
   detail::check_auto_options(m_opts);
 }
 
@@ -149,7 +149,8 @@ AutoResult<Scalar_> AutoAttention<Scalar_>::compute(const Ref& Q, const Ref& K,
   }
 
   // The candidates that fit the probe budget together with the sampled rows.
-  const Index s = std::min(n, o.probe_rows > 0 ? o.probe_rows : std::clamp<Index>(n / 64, 32, 256));
+  const Index s = std::min(
+      n, o.error_sample_rows > 0 ? o.error_sample_rows : std::clamp<Index>(n / 64, 32, 256));
   const double probe_cost = AutoCostModel::probe(s, n, m, d, dv, o.causal);
   const double room = budget - probe_cost;
   const bool wildcat_ok = o.allow_wildcat && !o.causal;
@@ -185,7 +186,7 @@ AutoResult<Scalar_> AutoAttention<Scalar_>::compute(const Ref& Q, const Ref& K,
   const std::vector<Index> rows = detail::sample_rows(n, s, o.seed, 0xa0705ULL);
   const Matrix<Scalar> Qs = detail::gather_rows<Scalar>(Q, rows);
   const Matrix<double> exact_s = detail::exact_rows<Scalar>(Qs, rows, n, K, V, beta, o.causal);
-  res.probe_rows = s;
+  detail::set_error_sample_rows(res, s);
   double spent = probe_cost;
   const double accept = o.safety * o.target_error;
 

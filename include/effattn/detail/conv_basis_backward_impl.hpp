@@ -138,7 +138,7 @@ auto ConvBasisAttention<Scalar_, FftBackend, Recovery, Real>::backward(const Ref
                     " starts (the forward result of these Q, K, V); got ", offs.size()));
   const double scale = detail::resolve_scale(m_opts.scale, d);
   const MatrixType Qs = Q * static_cast<Scalar>(scale);
-  const Index bs = m_opts.block_size > 0 ? std::min(m_opts.block_size, n) : n;
+  const Index bs = m_opts.mask_block > 0 ? std::min(m_opts.mask_block, n) : n;
   Gradients g;
   g.dQ.resize(n, d);
   g.dK.resize(n, d);
@@ -146,7 +146,7 @@ auto ConvBasisAttention<Scalar_, FftBackend, Recovery, Real>::backward(const Ref
   std::size_t pos = 0;
   for (Index b0 = 0; b0 < n; b0 += bs) {
     const Index len = std::min(bs, n - b0);
-    conv_basis::RecoveryParams p = params(m_opts.window);
+    conv_basis::RecoveryParams p = params(m_opts.sliding_window);
     p.grid_starts.clear();
     for (; pos < offs.size() && offs[pos] < b0 + len; ++pos) {
       const Index s = offs[pos] - b0;

@@ -401,7 +401,7 @@ Evaluation<Scalar> evaluate(const Basis& b, const ConstRef<Scalar>& V, const Eva
 
 template <typename Scalar_, typename FftBackend, typename Recovery, typename Real>
 ConvBasisAttention<Scalar_, FftBackend, Recovery, Real>::ConvBasisAttention(Options opts)
-    : m_opts(std::move(opts)) {
+    : m_opts(detail::resolve_renamed(std::move(opts), name)) {
   using detail::cat;
   detail::check_scale_option(m_opts.scale, name);
   EFFATTN_CHECK(m_opts.num_bases >= 1,
@@ -417,11 +417,12 @@ ConvBasisAttention<Scalar_, FftBackend, Recovery, Real>::ConvBasisAttention(Opti
                     ": Options::guard_tolerance must be finite and >= 0 (0 = default); "
                     "got ",
                     m_opts.guard_tolerance));
-  EFFATTN_CHECK(m_opts.window >= 0,
-                cat(name, ": Options::window must be >= 0 (0 = none); got ", m_opts.window));
   EFFATTN_CHECK(
-      m_opts.block_size >= 0,
-      cat(name, ": Options::block_size must be >= 0 (0 = one block); got ", m_opts.block_size));
+      m_opts.sliding_window >= 0,
+      cat(name, ": Options::sliding_window must be >= 0 (0 = none); got ", m_opts.sliding_window));
+  EFFATTN_CHECK(
+      m_opts.mask_block >= 0,
+      cat(name, ": Options::mask_block must be >= 0 (0 = one block); got ", m_opts.mask_block));
 }
 
 template <typename Scalar_, typename FftBackend, typename Recovery, typename Real>
@@ -429,7 +430,7 @@ auto ConvBasisAttention<Scalar_, FftBackend, Recovery, Real>::compute(const Ref&
                                                                       const Ref& V) const
     -> Result {
   check_inputs(Q, K, V);
-  return run(Q, K, V, m_opts.window, m_opts.block_size);
+  return run(Q, K, V, m_opts.sliding_window, m_opts.mask_block);
 }
 
 template <typename Scalar_, typename FftBackend, typename Recovery, typename Real>
@@ -438,10 +439,10 @@ auto ConvBasisAttention<Scalar_, FftBackend, Recovery, Real>::compute(const Ref&
                                                                       const MaskRef& mask) const
     -> Result {
   check_inputs(Q, K, V);
-  EFFATTN_CHECK(m_opts.window == 0 && m_opts.block_size == 0,
+  EFFATTN_CHECK(m_opts.sliding_window == 0 && m_opts.mask_block == 0,
                 detail::cat(name,
-                            ": an explicit mask needs Options::window = 0 and "
-                            "Options::block_size = 0"));
+                            ": an explicit mask needs Options::sliding_window = 0 and "
+                            "Options::mask_block = 0"));
   const std::pair<Index, Index> wb = classify_mask(mask, Q.rows());
   return run(Q, K, V, wb.first, wb.second);
 }
@@ -455,7 +456,8 @@ conv_basis::Basis ConvBasisAttention<Scalar_, FftBackend, Recovery, Real>::recov
                                                   "with n = Q.rows() = ",
                                                   Q.rows(), "; got K ", detail::shape(K)));
   const MatrixType Qs = Q * static_cast<Scalar>(detail::resolve_scale(m_opts.scale, Q.cols()));
-  return conv_basis::recover<Recovery>(conv_basis::QKOracle<Scalar>(Qs, K), params(m_opts.window));
+  return conv_basis::recover<Recovery>(conv_basis::QKOracle<Scalar>(Qs, K),
+                                       params(m_opts.sliding_window));
 }
 
 template <typename Scalar_, typename FftBackend, typename Recovery, typename Real>

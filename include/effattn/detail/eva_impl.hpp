@@ -404,7 +404,7 @@ void eva_check_call(const EvaOptions& o, const QT& Q, const KT& K, const VT& V, 
 }
 
 /// The EVA options that make the kernel compute RFA / Performer: no local block, mu = 0, chunk
-/// logit q~ . k^_c with no mass term, `samples` features (0 = 64) drawn from `seed`. (The single
+/// logit q~ . k^_c with no mass term, `features` features (0 = 64) drawn from `seed`. (The single
 /// chunk holding every key comes from `eva_make_plan(..., one_chunk = true, ...)`.)
 inline EvaOptions performer_kernel_options(const PerformerOptions& p) {
   EvaOptions e;
@@ -412,7 +412,7 @@ inline EvaOptions performer_kernel_options(const PerformerOptions& p) {
   e.causal = false;
   e.window = 0;
   e.chunk_size = 0;
-  e.samples = p.samples > 0 ? p.samples : 64;
+  e.samples = p.features > 0 ? p.features : 64;
   e.seed = p.seed;
   e.mass = eva::Mass::Literal;
   e.proposal = eva::Proposal::Zero;
@@ -501,12 +501,12 @@ Index EvaAttention<Scalar_, Policy>::max_logits(Index n, Index m) const {
 // PerformerAttention
 
 template <typename Scalar_>
-PerformerAttention<Scalar_>::PerformerAttention(Options opts) : m_opts(opts) {
+PerformerAttention<Scalar_>::PerformerAttention(Options opts)
+    : m_opts(detail::resolve_renamed(opts, name)) {
   detail::check_scale_option(m_opts.scale, name);
   EFFATTN_CHECK(
-      m_opts.samples >= 0,
-      detail::cat(name, ": Options::samples must be >= 0 (the feature count, 0 = 64); got ",
-                  m_opts.samples));
+      m_opts.features >= 0,
+      detail::cat(name, ": Options::features must be >= 0 (0 = 64); got ", m_opts.features));
 }
 
 template <typename Scalar_>

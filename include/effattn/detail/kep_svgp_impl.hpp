@@ -30,7 +30,7 @@ namespace detail {
 /// var(:, c) += row norms^2 of F Lambda^-1 L_c (leading r x r block of L_c, lower part).
 template <typename Scalar>
 void kep_add_vp_variance(const Matrix<Scalar>& F, const Vector<Scalar>& inv,
-                         const kepsvgp::VariationalParams<Scalar>& vp, Matrix<Scalar>& var) {
+                         const kep_svgp::VariationalParams<Scalar>& vp, Matrix<Scalar>& var) {
   const Index r = inv.size();
   const Matrix<Scalar> G = F * inv.asDiagonal();
   for (Index j = 0; j < var.cols(); ++j) {
@@ -86,11 +86,11 @@ KepSvgpAttention<Scalar_, Kernel, Svd, Merge>::KepSvgpAttention(Options opts)
   EFFATTN_CHECK(m_opts.block_rows >= 0,
                 cat(name, ": Options::block_rows must be >= 0; got ", m_opts.block_rows));
   EFFATTN_CHECK(
-      is_one_of(m_opts.cov, {kepsvgp::CovMode::Full, kepsvgp::CovMode::Approx}) &&
+      is_one_of(m_opts.cov, {kep_svgp::CovMode::Full, kep_svgp::CovMode::Approx}) &&
           is_one_of(m_opts.prior,
-                    {kepsvgp::PriorScale::Auto, kepsvgp::PriorScale::ValueSecondMoment,
-                     kepsvgp::PriorScale::Unit}) &&
-          is_one_of(m_opts.rbranch, {kepsvgp::RBranch::Shared, kepsvgp::RBranch::Transpose}),
+                    {kep_svgp::PriorScale::Auto, kep_svgp::PriorScale::ValueSecondMoment,
+                     kep_svgp::PriorScale::Unit}) &&
+          is_one_of(m_opts.rbranch, {kep_svgp::RBranch::Shared, kep_svgp::RBranch::Transpose}),
       cat(name, ": Options::cov, prior or rbranch is not a valid enumerator"));
 }
 
@@ -125,7 +125,7 @@ KepSvgpAttention<Scalar_, Kernel, Svd, Merge>::run(const Ref& Q, const Ref& K, c
   detail::check_attention_inputs(Q, K, V, name);
   const Index n = Q.rows(), m = K.rows(), dv = V.cols();
   const Index want = std::min(m_opts.rank, std::min(n, m));
-  const bool transpose = !kEOnly && m_opts.rbranch == kepsvgp::RBranch::Transpose;
+  const bool transpose = !kEOnly && m_opts.rbranch == kep_svgp::RBranch::Transpose;
   EFFATTN_CHECK(!(kAdd || transpose) || n == m,
                 cat(name, ": Addition merge and RBranch::Transpose need n = m; got Q ",
                     detail::shape(Q), ", K ", detail::shape(K)));
@@ -135,7 +135,7 @@ KepSvgpAttention<Scalar_, Kernel, Svd, Merge>::run(const Ref& Q, const Ref& K, c
   detail::KepKernelCtx<Scalar, Kernel::has_features> c;
   detail::kep_prepare<Kernel>(c, Q, K, m_opts);
   res.kernel_shift = static_cast<double>(c.shift);
-  kepsvgp::KsvdResult<Scalar>& ks = res.ksvd;
+  kep_svgp::KsvdResult<Scalar>& ks = res.ksvd;
   const double rtol =
       m_opts.rank_rtol > 0 ? m_opts.rank_rtol : (std::is_same_v<Scalar, float> ? 1e-6 : 1e-12);
   if constexpr (std::is_same_v<Svd, policy::DenseSvd>) {
@@ -184,18 +184,18 @@ void KepSvgpAttention<Scalar_, Kernel, Svd, Merge>::assemble(Result& res, const 
   const auto& ks = res.ksvd;
   const Index r = ks.rank_used, n = ks.E.rows(), m = ks.Hr.rows(), dv = V.cols();
   // Prior scales sigma_c^2.
-  const kepsvgp::PriorScale ps =
-      m_opts.prior == kepsvgp::PriorScale::Auto
-          ? (vp ? kepsvgp::PriorScale::Unit : kepsvgp::PriorScale::ValueSecondMoment)
+  const kep_svgp::PriorScale ps =
+      m_opts.prior == kep_svgp::PriorScale::Auto
+          ? (vp ? kep_svgp::PriorScale::Unit : kep_svgp::PriorScale::ValueSecondMoment)
           : m_opts.prior;
   res.prior_variance.resize(dv);
   for (Index j = 0; j < dv; ++j)
     res.prior_variance(j) =
-        ps == kepsvgp::PriorScale::Unit
+        ps == kep_svgp::PriorScale::Unit
             ? Scalar(1)
             : static_cast<Scalar>(V.col(j).template cast<double>().squaredNorm() /
                                   static_cast<double>(m));
-  const bool full = m_opts.cov == kepsvgp::CovMode::Full;
+  const bool full = m_opts.cov == kep_svgp::CovMode::Full;
   const Vector<Scalar> inv = ks.lambda.cwiseInverse();
 
   // Coefficients in the H basis: mean = E Lambda^-1 m_u = E coef.
@@ -236,14 +236,14 @@ void KepSvgpAttention<Scalar_, Kernel, Svd, Merge>::assemble(Result& res, const 
 template <typename Scalar_, typename Kernel, typename Svd, typename Merge>
 typename KepSvgpAttention<Scalar_, Kernel, Svd, Merge>::MatrixType
 KepSvgpAttention<Scalar_, Kernel, Svd, Merge>::sample(const Ref& Q, const Ref& K, const Result& res,
-                                                      kepsvgp::SampleMode mode, Rng& rng) const {
+                                                      kep_svgp::SampleMode mode, Rng& rng) const {
   return draw(Q, K, res, mode, rng, nullptr);
 }
 
 template <typename Scalar_, typename Kernel, typename Svd, typename Merge>
 typename KepSvgpAttention<Scalar_, Kernel, Svd, Merge>::MatrixType
 KepSvgpAttention<Scalar_, Kernel, Svd, Merge>::sample(const Ref& Q, const Ref& K, const Result& res,
-                                                      kepsvgp::SampleMode mode, Rng& rng,
+                                                      kep_svgp::SampleMode mode, Rng& rng,
                                                       const VariationalParams& vp) const {
   return draw(Q, K, res, mode, rng, &vp);
 }
@@ -251,7 +251,7 @@ KepSvgpAttention<Scalar_, Kernel, Svd, Merge>::sample(const Ref& Q, const Ref& K
 template <typename Scalar_, typename Kernel, typename Svd, typename Merge>
 typename KepSvgpAttention<Scalar_, Kernel, Svd, Merge>::MatrixType
 KepSvgpAttention<Scalar_, Kernel, Svd, Merge>::sample(const Ref& Q, const Ref& K, const Result& res,
-                                                      kepsvgp::SampleMode mode,
+                                                      kep_svgp::SampleMode mode,
                                                       std::uint64_t seed) const {
   Rng rng = make_rng(seed, 2);
   return draw(Q, K, res, mode, rng, nullptr);
@@ -260,7 +260,7 @@ KepSvgpAttention<Scalar_, Kernel, Svd, Merge>::sample(const Ref& Q, const Ref& K
 template <typename Scalar_, typename Kernel, typename Svd, typename Merge>
 typename KepSvgpAttention<Scalar_, Kernel, Svd, Merge>::MatrixType
 KepSvgpAttention<Scalar_, Kernel, Svd, Merge>::sample(const Ref& Q, const Ref& K, const Result& res,
-                                                      kepsvgp::SampleMode mode, std::uint64_t seed,
+                                                      kep_svgp::SampleMode mode, std::uint64_t seed,
                                                       const VariationalParams& vp) const {
   Rng rng = make_rng(seed, 2);
   return draw(Q, K, res, mode, rng, &vp);
@@ -269,7 +269,7 @@ KepSvgpAttention<Scalar_, Kernel, Svd, Merge>::sample(const Ref& Q, const Ref& K
 template <typename Scalar_, typename Kernel, typename Svd, typename Merge>
 typename KepSvgpAttention<Scalar_, Kernel, Svd, Merge>::MatrixType
 KepSvgpAttention<Scalar_, Kernel, Svd, Merge>::draw(const Ref& Q, const Ref& K, const Result& res,
-                                                    kepsvgp::SampleMode mode, Rng& rng,
+                                                    kep_svgp::SampleMode mode, Rng& rng,
                                                     const VariationalParams* vp) const {
   using detail::cat;
   const auto& ks = res.ksvd;
@@ -289,7 +289,7 @@ KepSvgpAttention<Scalar_, Kernel, Svd, Merge>::draw(const Ref& Q, const Ref& K, 
     else
       return res.output;
   };
-  if (mode == kepsvgp::SampleMode::Marginal) {
+  if (mode == kep_svgp::SampleMode::Marginal) {
     MatrixType out = mean();
     MatrixType z(out.rows(), dv);
     fill_normal(z, rng);
@@ -303,7 +303,7 @@ KepSvgpAttention<Scalar_, Kernel, Svd, Merge>::draw(const Ref& Q, const Ref& K, 
                 cat(name, ": sample needs the Q and K of compute; got Q ", detail::shape(Q), ", K ",
                     detail::shape(K)));
   if (vp) check_vp(*vp, vp->m_u.rows(), dv);
-  const bool full = m_opts.cov == kepsvgp::CovMode::Full;
+  const bool full = m_opts.cov == kep_svgp::CovMode::Full;
   EFFATTN_CHECK(kEOnly || !full, cat(name,
                                      ": a Joint sample of the Addition / Concatenation merges "
                                      "is implemented for CovMode::Approx only"));

@@ -84,7 +84,7 @@ inline Eigen::VectorXd kep_clamped_diff(const Eigen::VectorXd& a, const Eigen::V
 /// Dense oracle: the formed kernel, its full thin SVD (QR + one-sided Jacobi), exact residuals.
 template <typename Scalar, bool Features>
 void kep_svd_dense(const KepKernelCtx<Scalar, Features>& c, Index want, double rtol,
-                   kepsvgp::KsvdResult<Scalar>& out) {
+                   kep_svgp::KsvdResult<Scalar>& out) {
   const Matrix<Scalar> Kd = kep_dense_kernel(c);
   Matrix<Scalar> U, W;
   Vector<Scalar> s;
@@ -172,7 +172,7 @@ void kep_randomized_range(const KepKernelCtx<Scalar, Features>& c, Index want, I
 template <typename Scalar>
 void kep_randomized_finish(const Matrix<Scalar>& Z, const Matrix<Scalar>& C,
                            const Eigen::VectorXd& rsq, Index want, double rtol,
-                           kepsvgp::KsvdResult<Scalar>& out) {
+                           kep_svgp::KsvdResult<Scalar>& out) {
   Matrix<Scalar> U, W;
   Vector<Scalar> s;
   thin_svd_qr_jacobi(C, U, s, W);
@@ -200,7 +200,7 @@ void kep_randomized_finish(const Matrix<Scalar>& Z, const Matrix<Scalar>& C,
 /// R = K^T H_e and the column residuals ||K_{:,j}||^2 - ||R_j||^2 of a randomized KSVD (one more
 /// streamed kernel pass).
 template <typename Scalar, bool Features>
-void kep_randomized_r(const KepKernelCtx<Scalar, Features>& c, kepsvgp::KsvdResult<Scalar>& out) {
+void kep_randomized_r(const KepKernelCtx<Scalar, Features>& c, kep_svgp::KsvdResult<Scalar>& out) {
   Eigen::VectorXd csq;
   out.R = kep_apply_transpose(c, out.He, &csq);
   out.res_col = kep_clamped_diff(csq, out.R.template cast<double>().rowwise().squaredNorm())
@@ -211,7 +211,7 @@ void kep_randomized_r(const KepKernelCtx<Scalar, Features>& c, kepsvgp::KsvdResu
 /// from the discarded part of the core (no cancellation). O((n + m) p^2 + p^3). Runs serially.
 template <typename Scalar>
 void kep_svd_factorized(const KepKernelCtx<Scalar, true>& c, Index want, double rtol,
-                        kepsvgp::KsvdResult<Scalar>& out) {
+                        kep_svgp::KsvdResult<Scalar>& out) {
   run_serial([&] {
     const Index p = c.A.cols();
     const Index pa = std::min(c.n, p), pb = std::min(c.m, p);

@@ -524,15 +524,17 @@ void check_kernel_points(const ConstRef<Scalar>& X, const char* who) {
 // ---- RpCholesky ----
 
 template <typename PivotRule>
-RpCholesky<PivotRule>::RpCholesky(Options opts) : m_opts(opts) {
+RpCholesky<PivotRule>::RpCholesky(Options opts)
+    : m_opts(detail::resolve_renamed(opts, "RpCholesky")) {
   EFFATTN_CHECK(m_opts.rank >= 1,
                 detail::cat("RpCholesky: Options::rank must be >= 1; got ", m_opts.rank));
   EFFATTN_CHECK(
       m_opts.rel_tol >= 0 && m_opts.rel_tol < 1,
       detail::cat("RpCholesky: Options::rel_tol must be in [0, 1); got ", m_opts.rel_tol));
-  EFFATTN_CHECK(m_opts.block_size >= 0,
-                detail::cat("RpCholesky: Options::block_size must be >= 0 (0 = automatic); got ",
-                            m_opts.block_size));
+  EFFATTN_CHECK(
+      m_opts.proposal_block >= 0,
+      detail::cat("RpCholesky: Options::proposal_block must be >= 0 (0 = automatic); got ",
+                  m_opts.proposal_block));
   EFFATTN_CHECK(std::isfinite(m_opts.roundoff_factor) && m_opts.roundoff_factor >= 0,
                 detail::cat("RpCholesky: Options::roundoff_factor must be finite and >= 0; got ",
                             m_opts.roundoff_factor));
@@ -580,7 +582,7 @@ RpCholeskyResult<detail::kernel_scalar_t<Kernel>> RpCholesky<PivotRule>::compute
   else if constexpr (std::is_same_v<PivotRule, policy::GreedyPivoted>)
     detail::rp_run_greedy(kernel, st);
   else
-    detail::rp_run_accelerated(kernel, st, rng, m_opts.block_size);
+    detail::rp_run_accelerated(kernel, st, rng, m_opts.proposal_block);
 
   RpCholeskyResult<S> out;
   const Index k = st.k();

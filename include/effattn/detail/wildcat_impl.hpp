@@ -53,7 +53,8 @@ inline double temperature_squared(double beta, double q_radius, double k_radius,
 
 namespace detail {
 
-inline void check_wildcat_options(const WildcatOptions& o, const char* who) {
+inline void check_wildcat_options(const WildcatOptions& opts, const char* who) {
+  const WildcatOptions o = resolve_renamed(opts, who);
   check_scale_option(o.scale, who);
   EFFATTN_CHECK(o.rank >= 1, cat(who, ": Options::rank must be >= 1; got ", o.rank));
   EFFATTN_CHECK(o.bins >= 1, cat(who, ": Options::bins must be >= 1; got ", o.bins));
@@ -64,8 +65,10 @@ inline void check_wildcat_options(const WildcatOptions& o, const char* who) {
   EFFATTN_CHECK(
       std::isfinite(o.denominator_tol) && o.denominator_tol >= 0,
       cat(who, ": Options::denominator_tol must be finite and >= 0; got ", o.denominator_tol));
-  EFFATTN_CHECK(o.block_size >= 0,
-                cat(who, ": Options::block_size must be >= 0 (0 = automatic); got ", o.block_size));
+  EFFATTN_CHECK(o.proposal_block >= 0, cat(who,
+                                           ": Options::proposal_block must be >= 0 (0 = "
+                                           "automatic); got ",
+                                           o.proposal_block));
   EFFATTN_CHECK(is_one_of(o.fallback, {wildcat::Fallback::Zero, wildcat::Fallback::Midpoint}),
                 cat(who, ": Options::fallback is not a valid enumerator"));
   EFFATTN_CHECK(std::isfinite(o.target_error) && o.target_error >= 0,
@@ -149,7 +152,7 @@ void wildcat_compress_bin(const Matrix<double>& Kc, const ConstRef<Scalar>& V, I
   ro.rank = per_bin;
   ro.rel_tol = o.rel_tol;
   ro.seed = seed;
-  ro.block_size = o.block_size;
+  ro.proposal_block = o.proposal_block;
   // The selection runs in Scalar (float for float attention): kernel rows, the factor and its
   // block updates, and the Nystrom product F [diag(e) V | e] are Scalar GEMMs, while RPCholesky
   // keeps its residuals, sampling and traces in double (numerics/rp_cholesky.hpp). Measured
@@ -369,7 +372,8 @@ void CompressedKV<Scalar>::append(const ConstRef<Scalar>& K, const ConstRef<Scal
 // ---- WildcatAttention ----
 
 template <typename Scalar_, typename PivotRule>
-WildcatAttention<Scalar_, PivotRule>::WildcatAttention(Options opts) : m_opts(opts) {
+WildcatAttention<Scalar_, PivotRule>::WildcatAttention(Options opts)
+    : m_opts(detail::resolve_renamed(opts, "WildcatAttention")) {
   detail::check_wildcat_options(m_opts, "WildcatAttention");
 }
 

@@ -44,6 +44,7 @@
 #include <vector>
 
 #include "../core/checks.hpp"
+#include "../core/deprecated.hpp"
 #include "../core/errors.hpp"
 #include "../core/parallel.hpp"
 #include "../core/random.hpp"
@@ -72,14 +73,30 @@ struct AcceleratedRandomlyPivoted {};
 struct GreedyPivoted {};
 }  // namespace policy
 
+EFFATTN_DEPRECATED_FIELDS_BEGIN  // the renamed field's old spelling (core/deprecated.hpp)
+
 /// Options of `RpCholesky`.
 struct RpCholeskyOptions {
   Index rank = 64;                 ///< pivot budget r >= 1 (at most m pivots are taken)
   double rel_tol = 0;              ///< stop once trace(res) <= rel_tol * trace(K); in [0, 1)
   std::uint64_t seed = 0x5eedULL;  ///< seed of the pivot draws (ignored by GreedyPivoted)
-  Index block_size = 0;            ///< accelerated rule: proposals per block (0 = automatic)
+  Index proposal_block = 0;        ///< accelerated rule: proposals per block (0 = automatic)
   double roundoff_factor = 100;    ///< residuals <= factor * eps * max diag count as zero
+
+  /// Deprecated spelling of `proposal_block` (honoured when not 0; removed in the next release).
+  [[deprecated("use proposal_block")]] Index block_size = 0;
 };
+
+namespace detail {
+/// `o` with the deprecated spelling folded into the new field (core/deprecated.hpp).
+/// \throws effattn::invalid_argument when the old and the new spelling disagree.
+inline RpCholeskyOptions resolve_renamed(RpCholeskyOptions o, const char* who) {
+  merge_renamed(o.proposal_block, o.block_size, Index(0), who, "proposal_block", "block_size");
+  return o;
+}
+}  // namespace detail
+
+EFFATTN_DEPRECATED_FIELDS_END
 
 /// Why an RPCholesky run stopped.
 enum class RpStopReason {
@@ -231,8 +248,9 @@ class RpCholesky {
  public:
   using Options = RpCholeskyOptions;  ///< the options struct
 
-  /// \throws effattn::invalid_argument if rank < 1, rel_tol is not in [0, 1), block_size < 0 or
-  ///         roundoff_factor is negative or non-finite.
+  /// \throws effattn::invalid_argument if rank < 1, rel_tol is not in [0, 1), proposal_block < 0,
+  ///         roundoff_factor is negative or non-finite, or the deprecated block_size disagrees
+  ///         with proposal_block.
   explicit RpCholesky(Options opts = {});
 
   /// Factorises the kernel matrix of `kernel` (see the Kernel concept). Only the arm of the

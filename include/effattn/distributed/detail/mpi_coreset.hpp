@@ -152,6 +152,13 @@ CompressedKV<typename DK::Scalar> compress_kv(MPI_Comm comm, const Eigen::Matrix
   MPI_Comm_size(comm, &P);
   MPI_Comm_rank(comm, &me);
   const ConstRef<Scalar> K(K_local), V(V_local);
+  // The options with a deprecated spelling folded in; a disagreement of the two spellings is
+  // reported below, collectively, by check_wildcat_options.
+  WildcatOptions resolved = opts;
+  try {
+    resolved = effattn::detail::resolve_renamed(opts, who);
+  } catch (const effattn::invalid_argument&) {
+  }
   const std::vector<std::int64_t> mine = {K.rows(),
                                           K.cols(),
                                           V.rows(),
@@ -161,7 +168,7 @@ CompressedKV<typename DK::Scalar> compress_kv(MPI_Comm comm, const Eigen::Matrix
                                           static_cast<std::int64_t>(opts.seed),
                                           opts.clip ? 1 : 0,
                                           opts.temperature ? 1 : 0,
-                                          opts.block_size,
+                                          resolved.proposal_block,
                                           static_cast<std::int64_t>(opts.fallback),
                                           detail::bits_of(opts.scale),
                                           detail::bits_of(opts.rel_tol),
