@@ -4,7 +4,7 @@
 // Oracles are independent of the code under test: the attention kernel is formed here by plain
 // long-double loops, its singular values come from Eigen's two-sided JacobiSVD (not the
 // code under test, whose SVDs are Householder QR + one-sided Jacobi; not Eigen 3.4's BDCSVD, which
-// is wrong on near-degenerate kernels: detail/kep_svgp_ksvd.hpp), attention from
+// is wrong on near-degenerate kernels: detail/methods/kep_svgp_ksvd.hpp), attention from
 // testing::loop_attention, and every posterior formula is re-evaluated densely. Singular vectors
 // are compared only through sign-invariant quantities (projectors, products, values).
 // Tolerances state the measured value they were set from.
@@ -237,7 +237,7 @@ TEST_CASE("KepSvgp singular values match a dense SVD of the kernel", "[kep_svgp]
   CHECK(r.ksvd.lambda(0) >= 1 - 1e-12);
 }
 
-// The small SVD of the randomized and factorised engines (detail/jacobi_svd.hpp: Householder QR,
+// The small SVD of the randomized and factorised engines (detail/linalg/jacobi_svd.hpp: Householder QR,
 // then one-sided Jacobi in double). Oracle: a matrix built from a known spectrum,
 // X = Q1 diag(sigma) Q2^T with orthonormal Q1, Q2, and the defining identities of a thin SVD.
 TEMPLATE_TEST_CASE("KepSvgp QR + Jacobi thin SVD recovers a known spectrum", "[kep_svgp][svd]",
@@ -828,7 +828,7 @@ TEST_CASE("KepSvgp degenerate inputs", "[kep_svgp]") {
       CHECK(max_abs_error(r.output, colmean) <= 1e-14);
       // The variance is ||K_i||^2 - ||E_i||^2 with ||K_i||^2 = 1 / n: zero up to the round-off
       // of that difference. Measured 1.5e-17 (about 2 eps / n) for s = 1 and 5 since KEP-SVGP's
-      // own Householder QR (detail/householder.hpp); Eigen's HouseholderQR happened to give 0.
+      // own Householder QR (detail/linalg/householder.hpp); Eigen's HouseholderQR happened to give 0.
       CHECK(r.variance.maxCoeff() <= 8 * std::numeric_limits<double>::epsilon() / n);
       CHECK(r.output.allFinite());
     }

@@ -217,7 +217,7 @@ TEMPLATE_TEST_CASE("MultiHead decoding against long caches equals exact attentio
 
 TEST_CASE("MultiHead decoding: every shape of the fp32 kernel, against the double reference",
           "[multi_head][decode]") {
-  // The fp32 decoding kernel (detail/decode_avx512.hpp; the Eigen path when the CPU lacks
+  // The fp32 decoding kernel (detail/x86/decode_avx512.hpp; the Eigen path when the CPU lacks
   // AVX-512 or EFFATTN_ISA=generic, which ctest also runs: test_multi_head_generic) works on
   // 1-4 rows of a group (GQA 4, group 3, MHA), 16-key sub-tiles (caches that are not multiples of
   // 16), 64- and 16-column value chunks (dv 16, 48, 80, 128) and a lazy running maximum: keys

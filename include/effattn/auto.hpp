@@ -231,7 +231,7 @@ using AutoAttentiond = AutoAttention<double>;
 }  // namespace effattn
 
 #if EFFATTN_DETAIL_WITH_IMPL
-#include "detail/auto_impl.hpp"
+#include "detail/methods/auto_impl.hpp"
 #endif
 
 #ifdef EFFATTN_COMPILED

@@ -5,7 +5,7 @@
 /// sub-convolution (lower-triangular Toeplitz) matrices and evaluated with FFTs in
 /// O(k d n log n), never forming an n x n matrix. The building blocks (basis, oracles, recovery
 /// policies, evaluator) are in `conv_basis_recovery.hpp`; the definitions in
-/// `detail/conv_basis_impl.hpp`, included at the end.
+/// `detail/methods/conv_basis_impl.hpp`, included at the end.
 #pragma once
 
 #include <utility>
@@ -293,8 +293,8 @@ using ConvBasisAttentiond = ConvBasisAttention<double>;
 }  // namespace effattn
 
 #if EFFATTN_DETAIL_WITH_IMPL
-#include "detail/conv_basis_backward_impl.hpp"
-#include "detail/conv_basis_impl.hpp"
+#include "detail/methods/conv_basis_backward_impl.hpp"
+#include "detail/methods/conv_basis_impl.hpp"
 #endif
 
 #ifdef EFFATTN_COMPILED

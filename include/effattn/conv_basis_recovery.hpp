@@ -4,7 +4,7 @@
 /// (`conv_basis::Basis`), the logit oracles, the three recovery policies (`policy::BinarySearch`,
 /// `policy::Scan`, `policy::Grid`) run by `conv_basis::recover`, and the FFT evaluator
 /// `conv_basis::evaluate` with its dynamic-range guard. Their definitions live in
-/// `detail/conv_basis_impl.hpp`; this header includes `conv_basis.hpp`, which includes them.
+/// `detail/methods/conv_basis_impl.hpp`; this header includes `conv_basis.hpp`, which includes them.
 #pragma once
 
 #include <algorithm>
@@ -252,4 +252,4 @@ Evaluation<Scalar> evaluate(const Basis& b, const ConstRef<Scalar>& V, const Eva
 }  // namespace conv_basis
 }  // namespace effattn
 
-#include "conv_basis.hpp"  // the functor, and through it detail/conv_basis_impl.hpp
+#include "conv_basis.hpp"  // the functor, and through it detail/methods/conv_basis_impl.hpp

@@ -3,7 +3,7 @@
 /// attention via control variates", ICLR 2023), and the RFA / Performer baseline it generalises
 /// (`PerformerAttention`, computed by the same kernel).
 ///
-/// The member functions that do the work are defined in `detail/eva_impl.hpp`, included at the
+/// The member functions that do the work are defined in `detail/methods/eva_impl.hpp`, included at the
 /// end of this header; with `EFFATTN_COMPILED` the float and double instantiations come from the
 /// `effattn::compiled` library instead of being compiled in every translation unit.
 #pragma once
@@ -498,8 +498,8 @@ using PerformerAttentiond = PerformerAttention<double>;
 }  // namespace effattn
 
 #if EFFATTN_DETAIL_WITH_IMPL
-#include "detail/eva_backward_impl.hpp"
-#include "detail/eva_impl.hpp"
+#include "detail/methods/eva_backward_impl.hpp"
+#include "detail/methods/eva_impl.hpp"
 #endif
 
 #ifdef EFFATTN_COMPILED

@@ -2,7 +2,7 @@
 /// \brief Exact softmax attention: a materialised reference and a tiled streaming kernel.
 ///
 /// Public declarations only; the kernels and the member definitions are in
-/// `detail/exact_impl.hpp`, included at the end of this file.
+/// `detail/methods/exact_impl.hpp`, included at the end of this file.
 #pragma once
 
 #include <type_traits>
@@ -332,8 +332,8 @@ using NaiveAttentiond = ExactAttention<double, policy::Naive>;
 }  // namespace effattn
 
 #if EFFATTN_DETAIL_WITH_IMPL
-#include "detail/exact_backward_impl.hpp"
-#include "detail/exact_impl.hpp"
+#include "detail/methods/exact_backward_impl.hpp"
+#include "detail/methods/exact_impl.hpp"
 #endif
 
 #ifdef EFFATTN_COMPILED

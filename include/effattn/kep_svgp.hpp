@@ -130,7 +130,7 @@ struct PositiveRandomFeatureKernel {
 /// O(n m min(n, m)) time (about 10 sweeps of 3.5 min(n, m)^3; 0.8 s at n = m = 512, 9 s at 1024
 /// on one core of an AMD Zen 5), O(n m) memory, serial, bit-identical for any thread count. Not
 /// Eigen 3.4's BDCSVD, which is faster but returns wrong factors, NaN or reads out of bounds on
-/// near-degenerate kernels (large logits; see detail/kep_svgp_ksvd.hpp).
+/// near-degenerate kernels (large logits; see detail/methods/kep_svgp_ksvd.hpp).
 struct DenseSvd {};
 /// \ingroup Policies
 /// KEP-SVGP SVD engine: randomized range finder (Halko, Martinsson, Tropp 2011) on the row space
@@ -393,7 +393,7 @@ using KepSvgpAttentiond = KepSvgpAttention<double>;
 
 }  // namespace effattn
 
-#include "detail/kep_svgp_impl.hpp"
+#include "detail/methods/kep_svgp_impl.hpp"
 #include "kep_svgp_training.hpp"
 
 #ifdef EFFATTN_COMPILED

@@ -197,4 +197,4 @@ using KvPressd = KvPress<double>;
 
 }  // namespace effattn
 
-#include "detail/kv_press_impl.hpp"
+#include "detail/methods/kv_press_impl.hpp"

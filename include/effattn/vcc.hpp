@@ -3,7 +3,7 @@
 /// "VCC: Scaling Transformers to 128K Tokens or More by Prioritizing Important Tokens",
 /// NeurIPS 2023) as a single attention call. The compression tree `VccTree`, the segments and the
 /// selection policies are in `<effattn/vcc_tree.hpp>` (included); the definitions are in
-/// `detail/vcc_impl.hpp`, included at the end.
+/// `detail/methods/vcc_impl.hpp`, included at the end.
 #pragma once
 
 #include <type_traits>
@@ -269,7 +269,7 @@ using VccAttentiond = VccAttention<double>;
 }  // namespace effattn
 
 #if EFFATTN_DETAIL_WITH_IMPL
-#include "detail/vcc_impl.hpp"
+#include "detail/methods/vcc_impl.hpp"
 #endif
 
 #ifdef EFFATTN_COMPILED

@@ -399,7 +399,7 @@ template <typename DQ>
 
 }  // namespace effattn
 
-#include "detail/wildcat_impl.hpp"
+#include "detail/methods/wildcat_impl.hpp"
 
 #ifdef EFFATTN_COMPILED
 namespace effattn {

@@ -11,7 +11,7 @@
 
 #include "../config.hpp"
 #ifdef EFFATTN_EXTERN_EIGEN_KERNELS  // effattn's own targets only
-#include "../detail/eigen_kernels.hpp"
+#include "../detail/linalg/eigen_kernels.hpp"
 #endif
 
 namespace effattn {

@@ -26,7 +26,7 @@
 /// large ones keeps only the absolute accuracy. Measured: relative errors ~1e-16 (double) and
 /// ~1e-7 (float FFTs).
 ///
-/// The definitions of the heavy members live in `detail/fft_impl.hpp`, included at the end.
+/// The definitions of the heavy members live in `detail/linalg/fft_impl.hpp`, included at the end.
 #pragma once
 
 #include <complex>
@@ -44,7 +44,7 @@
 #include "../core/types.hpp"
 
 #ifdef EFFATTN_USE_FFTW
-#include "../detail/fftw_traits.hpp"
+#include "../detail/linalg/fftw_traits.hpp"
 #endif
 
 namespace effattn {
@@ -64,7 +64,7 @@ template <typename T>
 constexpr bool dependent_false_v = false;
 
 template <typename T>
-class AlignedBuffer;  // 64-byte aligned scratch array (detail/fft_impl.hpp)
+class AlignedBuffer;  // 64-byte aligned scratch array (detail/linalg/fft_impl.hpp)
 }  // namespace detail
 
 /// Smallest 2^a 3^b 5^c 7^d >= n (n >= 1). FFTW is fastest on these sizes; a prime size near
@@ -328,7 +328,7 @@ class CausalConv {
  private:
   using CVector = Eigen::Matrix<Complex, Eigen::Dynamic, 1>;
   using CArray = Eigen::Array<Complex, Eigen::Dynamic, 1>;
-  struct Workspace;  // per-thread buffers of apply_fft (detail/fft_impl.hpp)
+  struct Workspace;  // per-thread buffers of apply_fft (detail/linalg/fft_impl.hpp)
 
   void apply_direct(const ConstRef<Scalar>& X, Eigen::Ref<Matrix<Scalar>> Y) const;
   void apply_fft(const ConstRef<Scalar>& X, Eigen::Ref<Matrix<Scalar>> Y) const;
@@ -388,7 +388,7 @@ Matrix<Scalar> causal_conv_direct(const std::vector<ConvTerm<Scalar>>& terms,
 }  // namespace fft
 }  // namespace effattn
 
-#include "../detail/fft_impl.hpp"
+#include "../detail/linalg/fft_impl.hpp"
 
 #ifdef EFFATTN_COMPILED
 namespace effattn {

@@ -179,7 +179,7 @@ struct has_principal_submatrix<K, std::void_t<decltype(std::declval<const K&>().
                                       std::declval<Eigen::Ref<Matrix<kernel_scalar_t<K>>>>()))>>
     : std::true_type {};
 
-/// Points of the Gaussian-coordinate kernels (defined in detail/rp_cholesky_impl.hpp).
+/// Points of the Gaussian-coordinate kernels (defined in detail/linalg/rp_cholesky_impl.hpp).
 template <typename S>
 class GaussianCore;
 }  // namespace detail
@@ -400,4 +400,4 @@ template <typename PivotRule = policy::RandomlyPivoted, typename Kernel>
 
 }  // namespace effattn
 
-#include "../detail/rp_cholesky_impl.hpp"
+#include "../detail/linalg/rp_cholesky_impl.hpp"

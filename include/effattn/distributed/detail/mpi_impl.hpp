@@ -25,7 +25,7 @@
 #include "../../core/online_softmax.hpp"
 #include "../../core/random.hpp"
 #include "../../core/types.hpp"
-#include "../../detail/exact_impl.hpp"  // also with EFFATTN_COMPILED, which leaves it out of exact.hpp
+#include "../../detail/methods/exact_impl.hpp"  // also with EFFATTN_COMPILED, which leaves it out of exact.hpp
 #include "../../wildcat.hpp"
 #include "../mpi.hpp"
 
