@@ -237,9 +237,9 @@ TEST_CASE("KepSvgp singular values match a dense SVD of the kernel", "[kep_svgp]
   CHECK(r.ksvd.lambda(0) >= 1 - 1e-12);
 }
 
-// The small SVD of the randomized and factorised engines (detail/linalg/jacobi_svd.hpp: Householder QR,
-// then one-sided Jacobi in double). Oracle: a matrix built from a known spectrum,
-// X = Q1 diag(sigma) Q2^T with orthonormal Q1, Q2, and the defining identities of a thin SVD.
+// The small SVD of the randomized and factorised engines (detail/linalg/jacobi_svd.hpp: Householder
+// QR, then one-sided Jacobi in double). Oracle: a matrix built from a known spectrum, X = Q1
+// diag(sigma) Q2^T with orthonormal Q1, Q2, and the defining identities of a thin SVD.
 TEMPLATE_TEST_CASE("KepSvgp QR + Jacobi thin SVD recovers a known spectrum", "[kep_svgp][svd]",
                    float, double) {
   using S = TestType;
@@ -828,7 +828,8 @@ TEST_CASE("KepSvgp degenerate inputs", "[kep_svgp]") {
       CHECK(max_abs_error(r.output, colmean) <= 1e-14);
       // The variance is ||K_i||^2 - ||E_i||^2 with ||K_i||^2 = 1 / n: zero up to the round-off
       // of that difference. Measured 1.5e-17 (about 2 eps / n) for s = 1 and 5 since KEP-SVGP's
-      // own Householder QR (detail/linalg/householder.hpp); Eigen's HouseholderQR happened to give 0.
+      // own Householder QR (detail/linalg/householder.hpp); Eigen's HouseholderQR happened to give
+      // 0.
       CHECK(r.variance.maxCoeff() <= 8 * std::numeric_limits<double>::epsilon() / n);
       CHECK(r.output.allFinite());
     }

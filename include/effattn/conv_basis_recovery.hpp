@@ -4,7 +4,8 @@
 /// (`conv_basis::Basis`), the logit oracles, the three recovery policies (`policy::BinarySearch`,
 /// `policy::Scan`, `policy::Grid`) run by `conv_basis::recover`, and the FFT evaluator
 /// `conv_basis::evaluate` with its dynamic-range guard. Their definitions live in
-/// `detail/methods/conv_basis_impl.hpp`; this header includes `conv_basis.hpp`, which includes them.
+/// `detail/methods/conv_basis_impl.hpp`; this header includes `conv_basis.hpp`, which includes
+/// them.
 #pragma once
 
 #include <algorithm>

@@ -3,9 +3,9 @@
 /// attention via control variates", ICLR 2023), and the RFA / Performer baseline it generalises
 /// (`PerformerAttention`, computed by the same kernel).
 ///
-/// The member functions that do the work are defined in `detail/methods/eva_impl.hpp`, included at the
-/// end of this header; with `EFFATTN_COMPILED` the float and double instantiations come from the
-/// `effattn::compiled` library instead of being compiled in every translation unit.
+/// The member functions that do the work are defined in `detail/methods/eva_impl.hpp`, included at
+/// the end of this header; with `EFFATTN_COMPILED` the float and double instantiations come from
+/// the `effattn::compiled` library instead of being compiled in every translation unit.
 #pragma once
 
 #include <cstdint>

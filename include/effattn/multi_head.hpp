@@ -3,9 +3,9 @@
 /// (GQA / MQA), variable-length (packed) batches and decoding, in the packed layout a model's
 /// projections produce.
 ///
-/// Public declarations; the implementation is in `detail/methods/multi_head_impl.hpp` (included at the
-/// end), with the packed views in `detail/methods/multi_head_views.hpp` and the multi-head exact kernel in
-/// `detail/methods/multi_head_exact.hpp`.
+/// Public declarations; the implementation is in `detail/methods/multi_head_impl.hpp` (included at
+/// the end), with the packed views in `detail/methods/multi_head_views.hpp` and the multi-head
+/// exact kernel in `detail/methods/multi_head_exact.hpp`.
 #pragma once
 
 #include <string>

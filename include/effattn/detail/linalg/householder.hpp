@@ -1,6 +1,7 @@
 /// \file householder.hpp
 /// \brief Private: Householder QR (compact form, blocked) and the application of its Q, for
-/// KEP-SVGP's range finder, its small SVDs (detail/linalg/jacobi_svd.hpp) and its factorised engine.
+/// KEP-SVGP's range finder, its small SVDs (detail/linalg/jacobi_svd.hpp) and its factorised
+/// engine.
 ///
 /// Why not `Eigen::HouseholderQR`: instantiating it (its blocked factorisation and its
 /// `HouseholderSequence` with their triangular block updates) cost about 4.5 s and 200 MB of

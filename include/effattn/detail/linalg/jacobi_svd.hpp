@@ -1,8 +1,8 @@
 /// \file jacobi_svd.hpp
 /// \brief Private: thin SVD of a tall or wide matrix by Householder QR and one-sided (Hestenes)
 /// Jacobi on the triangular factor, in double. KEP-SVGP's randomized and factorised engines
-/// (detail/methods/kep_svgp_ksvd.hpp) take it for their small SVDs (n x (s + p) and p x p), and the dense
-/// oracle for the whole kernel.
+/// (detail/methods/kep_svgp_ksvd.hpp) take it for their small SVDs (n x (s + p) and p x p), and the
+/// dense oracle for the whole kernel.
 ///
 /// Why not Eigen's BDCSVD: instantiating `BDCSVD<MatrixXf>` (with the JacobiSVD and the two
 /// column-pivoting QR preconditioners it pulls in) was the most expensive code of the library to

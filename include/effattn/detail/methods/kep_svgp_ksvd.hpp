@@ -29,8 +29,8 @@ Matrix<Scalar> kep_orth(const Matrix<Scalar>& X) {
 }
 
 /// Thin SVD X = U diag(s) W^T for the dense oracle (policy::DenseSvd): Householder QR and
-/// one-sided Jacobi (`thin_svd_qr_jacobi`, detail/linalg/jacobi_svd.hpp), in one serial region so that
-/// its products round the same way for any thread count.
+/// one-sided Jacobi (`thin_svd_qr_jacobi`, detail/linalg/jacobi_svd.hpp), in one serial region so
+/// that its products round the same way for any thread count.
 ///
 /// Not Eigen's BDCSVD, which the oracle used before: Eigen 3.4.0's divide and conquer
 /// is wrong on near-degenerate inputs, the near-permutation softmax kernels of large logits with
