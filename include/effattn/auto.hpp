@@ -40,6 +40,7 @@
 #include "core/checks.hpp"
 #include "core/concept.hpp"
 #include "core/deprecated.hpp"
+#include "core/functor.hpp"
 #include "core/types.hpp"
 
 namespace effattn {
@@ -183,7 +184,7 @@ EFFATTN_DEPRECATED_FIELDS_END
 ///             static_cast<long>(r.budget), r.estimated_error, r.reason.c_str());
 /// \endcode
 template <typename Scalar_>
-class AutoAttention {
+class AutoAttention : public AttentionFunctor<AutoAttention<Scalar_>, Scalar_> {
   EFFATTN_REQUIRE_DEFINITIONS(AutoAttention);
   static_assert(detail::is_supported_scalar_v<Scalar_>, "effattn: Scalar must be float or double");
 
@@ -196,7 +197,6 @@ class AutoAttention {
 
   static constexpr const char* name = "AutoAttention";  ///< the method's name
   static constexpr bool supports_causal = true;         ///< `Options::causal` is honoured
-  static constexpr bool causal_only = false;            ///< both forms
   static constexpr bool randomized = true;              ///< sampled rows and pivots use the seed
   static constexpr bool self_attention_only = false;    ///< any n and m
   static constexpr bool exact = false;  ///< within the target, exact only when it chooses so
@@ -211,10 +211,6 @@ class AutoAttention {
   /// \throws effattn::invalid_argument on empty, mismatched or non-finite inputs, and for
   ///         `causal` with m < n.
   [[nodiscard]] Result compute(const Ref& Q, const Ref& K, const Ref& V) const;
-
-  /// Convenience: `compute(Q, K, V).output`.
-  /// \throws effattn::numerical_error if the result is not Success; invalid_argument as compute.
-  MatrixType operator()(const Ref& Q, const Ref& K, const Ref& V) const;
 
   /// The options this functor was built with.
   const Options& options() const noexcept { return m_opts; }

@@ -15,6 +15,7 @@
 #include "core/checks.hpp"
 #include "core/deprecated.hpp"
 #include "core/errors.hpp"
+#include "core/functor.hpp"
 #include "core/types.hpp"
 #include "gradients.hpp"
 #include "numerics/fft.hpp"
@@ -168,7 +169,8 @@ struct ConvBasisResult : AttentionResult<Scalar> {
 /// parallel with shape-fixed decompositions: results are bit-identical for any thread count.
 template <typename Scalar_, typename FftBackend = fft::Default, typename Recovery = policy::Scan,
           typename Real = double>
-class ConvBasisAttention {
+class ConvBasisAttention
+    : public AttentionFunctor<ConvBasisAttention<Scalar_, FftBackend, Recovery, Real>, Scalar_> {
   EFFATTN_REQUIRE_DEFINITIONS(ConvBasisAttention);
   static_assert(detail::is_supported_scalar_v<Scalar_>, "effattn: Scalar must be float or double");
   static_assert(detail::is_supported_scalar_v<Real>, "effattn: Real must be float or double");
@@ -208,14 +210,6 @@ class ConvBasisAttention {
   /// options' sliding_window and mask_block must then be 0. O(n^2) to check the mask.
   /// \throws effattn::invalid_argument for any other mask (e.g. non-causal, random, padding).
   [[nodiscard]] Result compute(const Ref& Q, const Ref& K, const Ref& V, const MaskRef& mask) const;
-
-  /// Convenience: `compute(Q, K, V).output`.
-  /// \throws effattn::numerical_error if the result is not finite.
-  MatrixType operator()(const Ref& Q, const Ref& K, const Ref& V) const {
-    Result r = compute(Q, K, V);
-    if (r.info != Info::Success) detail::throw_numerical_error(name, r.info);
-    return std::move(r.output);
-  }
 
   /// The basis the recovery finds for the causal logits of Q (n x d) and K (n x d) as ONE
   /// sequence (the sliding window is honoured; mask_block is not: blocks are separate sequences).

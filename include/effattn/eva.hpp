@@ -14,6 +14,7 @@
 
 #include "core/deprecated.hpp"
 #include "core/errors.hpp"
+#include "core/functor.hpp"
 #include "core/types.hpp"
 #include "gradients.hpp"
 
@@ -232,7 +233,7 @@ struct EvaResult : AttentionResult<Scalar> {
 /// \par Threading
 /// `compute` is const and keeps no state: one functor may be shared by any number of threads.
 template <typename Scalar_, typename Policy = policy::ControlVariates>
-class EvaAttention {
+class EvaAttention : public AttentionFunctor<EvaAttention<Scalar_, Policy>, Scalar_> {
   EFFATTN_REQUIRE_DEFINITIONS(EvaAttention);
   static_assert(detail::is_supported_scalar_v<Scalar_>, "effattn: Scalar must be float or double");
   static_assert(std::is_same_v<Policy, policy::ControlVariates>,
@@ -251,8 +252,6 @@ class EvaAttention {
   static constexpr const char* name = "EvaAttention";
   /// `Options::causal` is honoured.
   static constexpr bool supports_causal = true;
-  /// Not causal by construction.
-  static constexpr bool causal_only = false;
   /// samples >= 1 draw from `Options::seed` (samples = 0, the default, is deterministic).
   static constexpr bool randomized = true;
   /// Cross-attention (n != m) is supported.
@@ -270,15 +269,6 @@ class EvaAttention {
   /// \throws effattn::invalid_argument on empty, mismatched or non-finite inputs, causal with
   ///         m < n, or a summary map whose size is not d.
   [[nodiscard]] Result compute(const Ref& Q, const Ref& K, const Ref& V) const;
-
-  /// Convenience: `compute(Q, K, V).output`.
-  /// \throws effattn::numerical_error if the result is not finite (logits overflowed), and
-  ///         effattn::invalid_argument as `compute`.
-  MatrixType operator()(const Ref& Q, const Ref& K, const Ref& V) const {
-    Result r = compute(Q, K, V);
-    if (r.info != Info::Success) detail::throw_numerical_error(name, r.info);
-    return std::move(r.output);
-  }
 
   /// Result of `backward`.
   using Gradients = EvaGradients<Scalar>;
@@ -411,7 +401,7 @@ struct PerformerResult : AttentionResult<Scalar> {
 /// \par Threading
 /// `compute` is const and keeps no state: one functor may be shared by any number of threads.
 template <typename Scalar_>
-class PerformerAttention {
+class PerformerAttention : public AttentionFunctor<PerformerAttention<Scalar_>, Scalar_> {
   EFFATTN_REQUIRE_DEFINITIONS(PerformerAttention);
   static_assert(detail::is_supported_scalar_v<Scalar_>, "effattn: Scalar must be float or double");
 
@@ -427,8 +417,6 @@ class PerformerAttention {
   static constexpr const char* name = "PerformerAttention";
   /// No causal form (no `Options::causal`).
   static constexpr bool supports_causal = false;
-  /// Not causal by construction.
-  static constexpr bool causal_only = false;
   /// The features are drawn from `Options::seed`.
   static constexpr bool randomized = true;
   /// Cross-attention (n != m) is supported.
@@ -443,15 +431,6 @@ class PerformerAttention {
   /// Performer attention of Q (n x d) over K (m x d), V (m x dv); see the class documentation.
   /// \throws effattn::invalid_argument on empty, mismatched or non-finite inputs.
   [[nodiscard]] Result compute(const Ref& Q, const Ref& K, const Ref& V) const;
-
-  /// Convenience: `compute(Q, K, V).output`.
-  /// \throws effattn::numerical_error if the result is not finite, and
-  ///         effattn::invalid_argument as `compute`.
-  MatrixType operator()(const Ref& Q, const Ref& K, const Ref& V) const {
-    Result r = compute(Q, K, V);
-    if (r.info != Info::Success) detail::throw_numerical_error(name, r.info);
-    return std::move(r.output);
-  }
 
   /// Result of `backward`.
   using Gradients = AttentionGradients<Scalar>;

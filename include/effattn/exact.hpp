@@ -10,6 +10,7 @@
 
 #include "core/checks.hpp"
 #include "core/errors.hpp"
+#include "core/functor.hpp"
 #include "core/types.hpp"
 #include "gradients.hpp"
 
@@ -160,7 +161,7 @@ struct ExactResult : AttentionResult<Scalar> {
 /// \par Threading
 /// `compute` is const and keeps no state: one functor may be shared by any number of threads.
 template <typename Scalar_, typename Policy = policy::Tiled>
-class ExactAttention {
+class ExactAttention : public AttentionFunctor<ExactAttention<Scalar_, Policy>, Scalar_> {
   EFFATTN_REQUIRE_DEFINITIONS(ExactAttention);
   static_assert(detail::is_supported_scalar_v<Scalar_>, "effattn: Scalar must be float or double");
   static_assert(std::is_same_v<Policy, policy::Tiled> || std::is_same_v<Policy, policy::Naive> ||
@@ -187,8 +188,6 @@ class ExactAttention {
   static constexpr const char* name = "ExactAttention";
   /// `Options::causal` is honoured (bottom-right aligned mask).
   static constexpr bool supports_causal = true;
-  /// Both the causal and the non-causal forms exist.
-  static constexpr bool causal_only = false;
   /// Deterministic: no seed.
   static constexpr bool randomized = false;
   /// Q and K may have different numbers of rows (cross-attention, decoding against a cache).
@@ -251,14 +250,6 @@ class ExactAttention {
   /// \throws effattn::invalid_argument as `compute(Q, K, V, key_bias)`.
   [[nodiscard]] Result compute(const Bf16Ref& Q, const Bf16Ref& K, const Bf16Ref& V,
                                const ConstVectorRef<Scalar>& key_bias) const;
-
-  /// Convenience: `compute(Q, K, V).output`.
-  /// \throws effattn::numerical_error if the result is not finite (logits overflowed).
-  MatrixType operator()(const Ref& Q, const Ref& K, const Ref& V) const {
-    Result r = compute(Q, K, V);
-    if (r.info != Info::Success) detail::throw_numerical_error(name, r.info);
-    return std::move(r.output);
-  }
 
   /// Gradients of a loss L through `compute(Q, K, V)`: given `result` = compute(Q, K, V) and
   /// dO = dL/dO (n x dv), returns dQ = dL/dQ (n x d), dK (m x d) and dV (m x dv), with the

@@ -34,6 +34,7 @@
 
 #include "core/checks.hpp"
 #include "core/errors.hpp"
+#include "core/functor.hpp"
 #include "core/random.hpp"
 #include "core/types.hpp"
 
@@ -285,7 +286,8 @@ struct KepSvgpResult : AttentionResult<Scalar> {
 /// serial mode: every SVD engine gives bit-identical results for any thread count.
 template <typename Scalar_, typename Kernel = policy::SoftmaxRowKernel,
           typename Svd = policy::RandomizedSvd, typename Merge = policy::EOnly>
-class KepSvgpAttention {
+class KepSvgpAttention
+    : public AttentionFunctor<KepSvgpAttention<Scalar_, Kernel, Svd, Merge>, Scalar_> {
   static_assert(detail::is_supported_scalar_v<Scalar_>, "effattn: Scalar must be float or double");
   static_assert(std::is_same_v<Svd, policy::DenseSvd> ||
                     std::is_same_v<Svd, policy::RandomizedSvd> ||
@@ -312,8 +314,6 @@ class KepSvgpAttention {
   static constexpr const char* name = "KepSvgpAttention";
   /// No causal form (the KSVD is of the full kernel).
   static constexpr bool supports_causal = false;
-  /// Not causal by construction.
-  static constexpr bool causal_only = false;
   /// The output depends on `Options::seed`: the RandomizedSvd sketch and the random features of
   /// PositiveRandomFeatureKernel are drawn from it (DenseSvd or FactorizedSvd with a
   /// deterministic kernel do not use it).
@@ -341,10 +341,6 @@ class KepSvgpAttention {
   /// \throws effattn::invalid_argument as `compute(Q, K, V)`, or on a malformed `vp`.
   [[nodiscard]] Result compute(const Ref& Q, const Ref& K, const Ref& V,
                                const VariationalParams& vp) const;
-
-  /// Convenience: `compute(Q, K, V).output` (the posterior mean).
-  /// \throws effattn::numerical_error if the result is not finite; invalid_argument as compute.
-  MatrixType operator()(const Ref& Q, const Ref& K, const Ref& V) const;
 
   /// One posterior draw of a `res` of `compute(Q, K, V)` with a caller-owned generator. Shaped
   /// like `output` (n x dv); Concatenation: the joint draw of both branches stacked as

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "core/errors.hpp"
+#include "core/functor.hpp"
 #include "core/types.hpp"
 #include "vcc_tree.hpp"
 
@@ -160,7 +161,8 @@ struct VccResult : AttentionResult<Scalar> {
 /// of threads.
 template <typename Scalar_, typename Select = policy::TwoLevel, typename Score = policy::MeanProb,
           typename NonVip = policy::Decompress>
-class VccAttention {
+class VccAttention
+    : public AttentionFunctor<VccAttention<Scalar_, Select, Score, NonVip>, Scalar_> {
   EFFATTN_REQUIRE_DEFINITIONS(VccAttention);
   static_assert(detail::is_supported_scalar_v<Scalar_>, "effattn: Scalar must be float or double");
   static_assert(std::is_same_v<Select, policy::TwoLevel> ||
@@ -190,8 +192,6 @@ class VccAttention {
   static constexpr const char* name = "VccAttention";
   /// No causal mask: segment means mix past and future tokens.
   static constexpr bool supports_causal = false;
-  /// Not causal by construction.
-  static constexpr bool causal_only = false;
   /// Deterministic (no seed).
   static constexpr bool randomized = false;
   /// Q and K must be the same sequence (the VIP rows index both).
@@ -229,27 +229,20 @@ class VccAttention {
     return run(Q, K, V, vip, &segments);
   }
 
-  /// Convenience: `compute(Q, K, V).output`.
-  /// \throws effattn::numerical_error if the result is not finite.
-  MatrixType operator()(const Ref& Q, const Ref& K, const Ref& V) const {
-    return checked(compute(Q, K, V));
-  }
+  /// `operator()(Q, K, V)`: `compute(Q, K, V).output` (AttentionFunctor).
+  using AttentionFunctor<VccAttention<Scalar_, Select, Score, NonVip>, Scalar_>::operator();
 
   /// Convenience: `compute(Q, K, V, vip).output`.
   /// \throws effattn::numerical_error if the result is not finite.
   MatrixType operator()(const Ref& Q, const Ref& K, const Ref& V,
                         const std::vector<Index>& vip) const {
-    return checked(compute(Q, K, V, vip));
+    return this->checked_output(compute(Q, K, V, vip));
   }
 
   /// The options this functor was built with.
   const Options& options() const noexcept { return m_opts; }
 
  private:
-  static MatrixType checked(Result&& r) {
-    if (r.info != Info::Success) detail::throw_numerical_error("VccAttention", r.info);
-    return std::move(r.output);
-  }
   // The selection: J for n_c >= 1 non-VIP rows (detail::vcc_select with the rows of K).
   std::vector<VccSegment> select(const Ref& Q, const Ref& K, const std::vector<Index>& vip,
                                  const std::vector<detail::VccRun>& runs, Index n_c, double tau,

@@ -27,6 +27,7 @@
 #include "core/checks.hpp"
 #include "core/concept.hpp"
 #include "core/deprecated.hpp"
+#include "core/functor.hpp"
 #include "core/types.hpp"
 #include "numerics/rp_cholesky.hpp"
 
@@ -292,7 +293,7 @@ struct WildcatResult : AttentionResult<Scalar> {
 /// // r.output (n x dv), r.pivots (coreset key rows), r.error_bound (certified max-entry bound)
 /// \endcode
 template <typename Scalar_, typename PivotRule = policy::AcceleratedRandomlyPivoted>
-class WildcatAttention {
+class WildcatAttention : public AttentionFunctor<WildcatAttention<Scalar_, PivotRule>, Scalar_> {
   static_assert(detail::is_supported_scalar_v<Scalar_>, "effattn: Scalar must be float or double");
   static_assert(std::is_same_v<PivotRule, policy::AcceleratedRandomlyPivoted> ||
                     std::is_same_v<PivotRule, policy::RandomlyPivoted> ||
@@ -310,7 +311,6 @@ class WildcatAttention {
 
   static constexpr const char* name = "WildcatAttention";  ///< the method's name
   static constexpr bool supports_causal = false;           ///< no causal form (a paper limitation)
-  static constexpr bool causal_only = false;               ///< not causal by construction
   static constexpr bool randomized = true;                 ///< the pivots depend on Options::seed
   static constexpr bool self_attention_only = false;       ///< any n and m
   static constexpr bool exact = false;  ///< a rank-r approximation (exact only when rank >= m)
@@ -325,14 +325,6 @@ class WildcatAttention {
   /// compression gives info = NumericalIssue and an n x dv output of NaN.
   /// \throws effattn::invalid_argument on empty, mismatched or non-finite inputs.
   [[nodiscard]] Result compute(const Ref& Q, const Ref& K, const Ref& V) const;
-
-  /// Convenience: `compute(Q, K, V).output`.
-  /// \throws effattn::numerical_error if the result is not Success; invalid_argument as compute.
-  MatrixType operator()(const Ref& Q, const Ref& K, const Ref& V) const {
-    Result r = compute(Q, K, V);
-    if (r.info != Info::Success) detail::throw_numerical_error("WildcatAttention", r.info);
-    return std::move(r.output);
-  }
 
   /// CompressKV with this functor's options (see the free `compress_kv`).
   /// \throws effattn::invalid_argument on empty, mismatched or non-finite inputs or q_radius < 0.

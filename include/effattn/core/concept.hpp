@@ -20,6 +20,10 @@
 ///   (the output depends on `Options::seed`), `self_attention_only` (Q and K must have the same
 ///   rows) and `exact` (the default output equals softmax attention up to round-off).
 ///
+/// The library's functors derive from `AttentionFunctor<F, Scalar>` (core/functor.hpp), which
+/// provides `operator()` and the capability constants' defaults (each functor redeclares the
+/// ones that differ).
+///
 /// `is_attention_functor_v<F>` checks all of this at compile time (the tests assert it for every
 /// functor of the method list).
 #pragma once

@@ -292,11 +292,4 @@ AutoResult<Scalar_> AutoAttention<Scalar_>::compute(const Ref& Q, const Ref& K,
   return res;
 }
 
-template <typename Scalar_>
-Matrix<Scalar_> AutoAttention<Scalar_>::operator()(const Ref& Q, const Ref& K, const Ref& V) const {
-  Result r = compute(Q, K, V);
-  if (r.info != Info::Success) detail::throw_numerical_error(name, r.info);
-  return std::move(r.output);
-}
-
 }  // namespace effattn

@@ -109,15 +109,6 @@ KepSvgpAttention<Scalar_, Kernel, Svd, Merge>::compute(const Ref& Q, const Ref& 
 }
 
 template <typename Scalar_, typename Kernel, typename Svd, typename Merge>
-typename KepSvgpAttention<Scalar_, Kernel, Svd, Merge>::MatrixType
-KepSvgpAttention<Scalar_, Kernel, Svd, Merge>::operator()(const Ref& Q, const Ref& K,
-                                                          const Ref& V) const {
-  Result r = run(Q, K, V, nullptr);
-  if (r.info != Info::Success) detail::throw_numerical_error(name, r.info);
-  return std::move(r.output);
-}
-
-template <typename Scalar_, typename Kernel, typename Svd, typename Merge>
 typename KepSvgpAttention<Scalar_, Kernel, Svd, Merge>::Result
 KepSvgpAttention<Scalar_, Kernel, Svd, Merge>::run(const Ref& Q, const Ref& K, const Ref& V,
                                                    const VariationalParams* vp) const {
