@@ -29,24 +29,23 @@
 #include "../x86/bf16_avx512.hpp"
 #include "../x86/bf16_pack.hpp"
 #include "../x86/fused_decode_avx512.hpp"
+#include "exact_dispatch.hpp"
 
 namespace effattn {
 namespace detail {
 
 /// The most queries of a decoding call (one query block): the fused kernel on the x86 paths
 /// (`kFusedDecodeWideRows` rows), `StreamingBf16Kernel` on the generic path.
-constexpr Index kBf16StreamingMaxQueries = 16;
+constexpr Index kBf16StreamingMaxQueries = kExactDecodeMaxQueries;
 
-/// Whether `tiled_attention_bf16` runs the fused decoding kernel (`fused_decode_run`, x86 paths,
-/// at most `kFusedDecodeWideRows` queries in one block) for n queries with `plan` on path `isa`.
+/// Whether `tiled_attention_bf16` runs the fused decoding kernel (`fused_decode_run`) for n
+/// queries with `plan` on path `isa` (`fused_decode_applies`, exact_dispatch.hpp).
 inline bool bf16_decode_fused(Index n, const TilePlan& plan, Isa isa) noexcept {
 #if EFFATTN_BF16_X86
-  static_assert(kFusedDecodeWideRows == kBf16StreamingMaxQueries, "one bound for decoding calls");
-  return isa != Isa::Generic && n <= kBf16StreamingMaxQueries && plan.q_blocks == 1;
-#else
-  (void)n, (void)plan, (void)isa;
-  return false;
+  static_assert(kFusedDecodeWideRows == kExactDecodeMaxQueries, "one bound for decoding calls");
+  static_assert(kFusedDecodeFp32MaxRows == kExactDecodeMaxQueries, "one bound for decoding calls");
 #endif
+  return fused_decode_applies(n, plan, isa);
 }
 
 /// The tile plan of the bf16 kernels: as `plan_tiles`, with block sizes that are multiples of 32
@@ -427,47 +426,63 @@ bool tiled_attention_bf16(const Eigen::Ref<const Matrix<In>>& Q,
   EFFATTN_CHECK(isa_available(isa), cat("ExactAttention: the bf16 kernel path '", isa_name(isa),
                                         "' is not available on this machine (highest: '",
                                         isa_name(detected_isa()), "')"));
-  if constexpr (std::is_same_v<In, float>) {
-    if (split) {
-#if EFFATTN_BF16_X86
-      // The decoding kernel reads the fp32 K and V either way: its fp32 form computes the
-      // scores (and P V) in fp32, at the same memory rate.
-      if (bf16_decode_fused(n, plan, isa))
-        return fused_decode_run<false, float>(Q, K, V, bias, scale, causal, plan, out, lse);
-#endif
+  constexpr bool fp32_inputs = std::is_same_v<In, float>;
+  const ExactKernel kernel =
+      choose_exact_kernel(ExactFamily::TiledBf16, fp32_inputs, fp32_inputs && split, n, plan, isa);
+  if constexpr (fp32_inputs) {
+    if (split && kernel != ExactKernel::FusedDecodeFp32) {
+      // The split score product: the kernel below on the split operands.
       Matrix<float> q3, k3;
       split_bf16_operands(Q, K, scale, q3, k3);
       return tiled_attention_bf16<float>(q3, k3, V, bias, 1.0f, causal, plan, isa, out, lse);
     }
   }
-  if (n <= kBf16StreamingMaxQueries && plan.q_blocks == 1) {
+  switch (kernel) {
+    case ExactKernel::FusedDecodeFp32:
+      // The decoding kernel reads the fp32 K and V either way: its fp32 form computes the
+      // scores (and P V) in fp32, at the same memory rate.
 #if EFFATTN_BF16_X86
-    if (bf16_decode_fused(n, plan, isa))
+      if constexpr (fp32_inputs)
+        return fused_decode_run<false, float>(Q, K, V, bias, scale, causal, plan, out, lse);
+#endif
+      break;
+    case ExactKernel::FusedDecodeBf16:
+#if EFFATTN_BF16_X86
       return fused_decode_run<true, In>(Q, K, V, bias, scale, causal, plan, out, lse,
                                         isa == Isa::Amx);
 #endif
-    Matrix<float> q(n, Q.cols());
-    for (Index c = 0; c < Q.cols(); ++c)
-      for (Index i = 0; i < n; ++i) q(i, c) = rounded_float(Q(i, c), scale);
-    bf16_attention_run(StreamingBf16Kernel<In>{K, V, q}, n, m, dv, bias, causal, plan, out, lse);
-    return true;
-  }
+      break;
+    case ExactKernel::StreamingBf16: {
+      Matrix<float> q(n, Q.cols());
+      for (Index c = 0; c < Q.cols(); ++c)
+        for (Index i = 0; i < n; ++i) q(i, c) = rounded_float(Q(i, c), scale);
+      bf16_attention_run(StreamingBf16Kernel<In>{K, V, q}, n, m, dv, bias, causal, plan, out, lse);
+      return true;
+    }
+    case ExactKernel::Bf16Panels: {
 #if EFFATTN_BF16_X86
-  if (isa != Isa::Generic) {
-    Bf16Panels panels;
-    pack_bf16_panels<In>(Q, K, V, scale, panels);
-    if (isa == Isa::Amx)
-      bf16_attention_run(X86Bf16Kernel<true>{panels}, n, m, dv, bias, causal, plan, out, lse);
-    else
-      bf16_attention_run(X86Bf16Kernel<false>{panels}, n, m, dv, bias, causal, plan, out, lse);
-    return true;
-  }
+      Bf16Panels panels;
+      pack_bf16_panels<In>(Q, K, V, scale, panels);
+      if (isa == Isa::Amx)
+        bf16_attention_run(X86Bf16Kernel<true>{panels}, n, m, dv, bias, causal, plan, out, lse);
+      else
+        bf16_attention_run(X86Bf16Kernel<false>{panels}, n, m, dv, bias, causal, plan, out, lse);
+      return true;
 #endif
-  (void)isa;
-  Bf16RoundedFloats rounded;
-  round_to_bf16_floats<In>(Q, K, V, scale, rounded);
-  bf16_attention_run(GenericBf16Kernel<>{rounded}, n, m, dv, bias, causal, plan, out, lse);
-  return true;
+      break;
+    }
+    case ExactKernel::GenericBf16: {
+      Bf16RoundedFloats rounded;
+      round_to_bf16_floats<In>(Q, K, V, scale, rounded);
+      bf16_attention_run(GenericBf16Kernel<>{rounded}, n, m, dv, bias, causal, plan, out, lse);
+      return true;
+    }
+    case ExactKernel::Naive:
+    case ExactKernel::Tiled:
+      break;
+  }
+  EFFATTN_CHECK(false, cat("ExactAttention: no bf16 kernel for path '", isa_name(isa), "'"));
+  return false;
 }
 
 }  // namespace detail

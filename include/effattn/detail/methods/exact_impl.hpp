@@ -111,19 +111,20 @@ void exact_bf16(const Eigen::Ref<const Matrix<In>>& Q, const Eigen::Ref<const Ma
                 const Eigen::Ref<const Matrix<In>>& V, const float* bias, double scale,
                 const ExactOptions& opts, const char* method, ExactResult<float>& r) {
   const Isa isa = selected_isa();
+  const bool split = bf16_split_scores<In>(opts, Q.cols());
   // Empty inputs are rejected by the checks before any plan is made (a plan divides by n).
   const bool deferred =
       Q.rows() > 0 && Q.cols() > 0 && K.rows() > 0 && V.cols() > 0 &&
-      bf16_decode_fused(
-          Q.rows(),
-          plan_bf16_tiles(Q.rows(), K.rows(), Q.cols(), V.cols(), opts.block_q, opts.block_k), isa);
+      reads_kv_checked(choose_exact_kernel(
+          ExactFamily::TiledBf16, std::is_same_v<In, float>, split, Q.rows(),
+          plan_bf16_tiles(Q.rows(), K.rows(), Q.cols(), V.cols(), opts.block_q, opts.block_k),
+          isa));
   check_exact_inputs(Q.template cast<float>(), K.template cast<float>(), V.template cast<float>(),
                      opts.causal, method, !deferred);
   const TilePlan plan =
       plan_bf16_tiles(Q.rows(), K.rows(), Q.cols(), V.cols(), opts.block_q, opts.block_k);
-  const bool scores_finite =
-      tiled_attention_bf16<In>(Q, K, V, bias, static_cast<float>(scale), opts.causal, plan, isa,
-                               r.output, r.lse, bf16_split_scores<In>(opts, Q.cols()));
+  const bool scores_finite = tiled_attention_bf16<In>(
+      Q, K, V, bias, static_cast<float>(scale), opts.causal, plan, isa, r.output, r.lse, split);
   finish_tiled_result(plan, deferred, scores_finite, K.template cast<float>(),
                       V.template cast<float>(), r);
 }
@@ -141,12 +142,12 @@ bool exact_fp32_decode(const ConstRef<float>& Q, const ConstRef<float>& K, const
                        const float* bias, double scale, const ExactOptions& opts,
                        const char* method, ExactResult<float>& r) {
 #if EFFATTN_BF16_X86
-  if (Q.rows() < 1 || Q.rows() > kFusedDecodeFp32MaxRows || Q.cols() < 1 || K.rows() < 1 ||
-      V.cols() < 1 || static_cast<int>(selected_isa()) < static_cast<int>(Isa::Avx512Bf16))
-    return false;
+  if (Q.rows() < 1 || Q.cols() < 1 || K.rows() < 1 || V.cols() < 1) return false;
   const TilePlan plan =
       plan_tiles(Q.rows(), K.rows(), Q.cols(), V.cols(), 4, opts.block_q, opts.block_k);
-  if (plan.q_blocks != 1) return false;
+  if (choose_exact_kernel(ExactFamily::Tiled, true, false, Q.rows(), plan, selected_isa()) !=
+      ExactKernel::FusedDecodeFp32)
+    return false;
   check_exact_inputs(Q, K, V, opts.causal, method, /*check_kv=*/false);
   const bool scores_finite = fused_decode_run<false, float>(
       Q, K, V, bias, static_cast<float>(scale), opts.causal, plan, r.output, r.lse);
@@ -206,6 +207,8 @@ double ExactAttention<Scalar_, Policy>::check_inputs(const Ref& Q, const Ref& K,
 template <typename Scalar_, typename Policy>
 typename ExactAttention<Scalar_, Policy>::Result ExactAttention<Scalar_, Policy>::run(
     const Ref& Q, const Ref& K, const Ref& V, const Scalar* bias) const {
+  // Which kernel runs is decided by detail::choose_exact_kernel (exact_dispatch.hpp), from the
+  // policy, the inputs' shape and the kernel path.
   Result r;
   if constexpr (std::is_same_v<Policy, policy::TiledBf16>) {
     // Validates the inputs itself (its decoding kernel checks K and V as it reads them).
