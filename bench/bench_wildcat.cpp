@@ -3,7 +3,7 @@
 //
 // Names:  exact/tiled/float/d64/<n>
 //         wildcat/float/d64/r<rank>/B<bins>/<n>      n = m in {1024 ... 65536}
-//         wildcat-bar/float/d64/r256/B<bins>/16384     the headline configuration, B in
+//         wildcat-headline/float/d64/r256/B<bins>/16384     the headline configuration, B in
 //                                                       {1,2,4,16}
 //         shape/<biggan|t2t1|t2t2>/<exact|wildcat>     synthetic analogues of the paper's
 //                                                       BigGAN and T2T-ViT attention shapes
@@ -164,7 +164,7 @@ void register_all() {
     b->Unit(benchmark::kMillisecond)->UseRealTime()->Complexity(benchmark::oN);
   }
   for (const Index bins : {Index(1), Index(2), Index(4), Index(16)}) {
-    const std::string fam = "wildcat-bar/float/d64/r256/B" + std::to_string(bins);
+    const std::string fam = "wildcat-headline/float/d64/r256/B" + std::to_string(bins);
     const WildcatOptions o = opts(256, bins);
     benchmark::RegisterBenchmark(fam.c_str(),
                                  [=](benchmark::State& s) {

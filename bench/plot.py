@@ -32,7 +32,7 @@ WORKLOAD_OF = {
     "bench_conv_basis": {"rel_err": "positional (causal)", "err_clean": "positional, no noise (causal)"},
     "bench_kep_svgp": {"rel_err": "clustered"},
 }
-SKIP = ("smoke", "errsweep", "wildcat-bar", "shape/", "kep_svgp/factorized", "recover/")
+SKIP = ("smoke", "errsweep", "wildcat-headline", "shape/", "kep_svgp/factorized", "recover/")
 
 
 def family_and_n(name):

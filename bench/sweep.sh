@@ -24,7 +24,7 @@ run() {  # run NAME FILTER
 run bench_exact 'exact/tiled/float/d64/(full|causal)/tall/'
 run bench_eva '^(exact/tiled|eva|performer)/float'
 run bench_vcc '^(exact/tiled|exactvip|vcc/(twolevel|bestfirst))/'
-run bench_wildcat '^(exact/|wildcat/float|wildcat-bar/|shape/)'
+run bench_wildcat '^(exact/|wildcat/float|wildcat-headline/|shape/)'
 run bench_conv_basis '^(exact|conv_basis)/'
 run bench_kep_svgp '^(exact/|kep_svgp/(randomized|dense|factorized)/|sgpa/)'
 

@@ -415,7 +415,7 @@ TEST_CASE("bf16 needle rows at small d against a long cache: the split score pro
   // A needle query is 2 x a key, so at d = 16 its logit against that key is ~8 (up to ~14),
   // where its weight competes with 9000 others; one bf16 score product's logit error
   // ~2^-8 |s q k| moves the weights by ~1-3%: relative Frobenius error 1.28e-2 to 1.41e-2
-  // (measured, every path alike), above the 1e-2 bar. The split product (the default at
+  // (measured, every path alike), above the 1e-2 target. The split product (the default at
   // d <= 32) takes the logit error to ~2^-16 |s q k|, leaving the rounding of P and V: measured
   // 1.4e-3 to 1.6e-3, and 7e-7 where the fused decoding kernel runs its fp32 form (x86 paths).
   REQUIRE(default_split(16));

@@ -731,7 +731,7 @@ TEST_CASE("Error falls with smaller chunks and with larger windows", "[eva][qual
 }
 
 TEST_CASE("EVA beats local attention, and Performer at equal budget", "[eva][quality]") {
-  // The quality bar at a test-sized n: window 64, chunk 64, n = 1024, d = 64, float
+  // The quality target at a test-sized n: window 64, chunk 64, n = 1024, d = 64, float
   // inputs as in the benchmark. Performer gets EVA's budget S = max_logits = 79 features; its
   // error is averaged over 4 seeds. Local-only = exact attention within each 64-block. Measured
   // relative Frobenius errors (EVA / Performer / local-only):

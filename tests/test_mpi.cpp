@@ -205,7 +205,7 @@ TEST_CASE("ring attention with bf16 blocks (float) against fp32 exact attention"
       INFO("causal " << causal << ", " << sharding_name(sh) << ", rel " << e.rel << ", lse "
                      << e.lse);
       // bf16 keeps 8 significand bits (docs/bf16.md: 1.8e-3 to 4e-3 on the
-      // shared workloads, bar 1e-2); the fp32 ring is ~5e-7 here, so an error above 1e-5 also
+      // shared workloads, target 1e-2); the fp32 ring is ~5e-7 here, so an error above 1e-5 also
       // shows that the bf16 kernel ran. Measured (avx512bf16 path, N = 613, d = 16, entries of
       // sd 1.5): 3.9e-3 to 6.2e-3 relative at 1, 2 and 4 ranks, lse within 0.0245 (logits up to
       // about 10, so 8-bit rounding of the scores moves lse by a few hundredths).

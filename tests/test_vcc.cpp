@@ -993,7 +993,7 @@ TEMPLATE_TEST_CASE("20: extreme logits stay finite and accurate", "[vcc][degener
     CHECK(r1.output.allFinite());
     if (b == n) {
       // Exact case against the long-double oracle. Measured 7.9e-15 (double), 1.7e-6 (float:
-      // logits ~80 carry absolute rounding ~80 * 6e-8, so 1e-4 is the bar).
+      // logits ~80 carry absolute rounding ~80 * 6e-8, so 1e-4 is the tolerance).
       const Matrix<double> ref = loop_attention(Q, K, V, 0.5, false);
       CHECK(rel_fro_error(r1.output, ref) <= (is_float<Scalar>() ? 1e-4 : 1e-12));
     }
