@@ -506,3 +506,42 @@ TEMPLATE_TEST_CASE("Masked keys contribute exactly nothing, even with huge value
     CHECK(bitwise_equal(a, b));
   }
 }
+
+TEST_CASE("choose_exact_kernel: the decision table of the single-head exact kernels",
+          "[exact][dispatch]") {
+  using detail::ExactFamily;
+  using detail::ExactKernel;
+  using detail::Isa;
+  const Isa paths[] = {Isa::Generic, Isa::Avx512Bf16, Isa::Amx};
+  for (const Isa isa : paths) {
+    INFO("path " << detail::isa_name(isa));
+    const bool x86 = EFFATTN_BF16_X86 && isa != Isa::Generic;
+    for (const Index n : {Index(1), Index(16), Index(17), Index(1024)}) {
+      INFO("n = " << n);
+      const detail::TilePlan plan = detail::plan_bf16_tiles(n, 4096, 64, 64, 0, 0);
+      const bool decoding = n <= 16 && plan.q_blocks == 1;  // the decoding kernels' bound
+      CHECK(decoding == (n <= 16));
+      for (const bool fp32 : {true, false}) {
+        // Naive is always the materialised reference.
+        CHECK(detail::choose_exact_kernel(ExactFamily::Naive, fp32, false, n, plan, isa) ==
+              ExactKernel::Naive);
+        // Tiled: the fused kernel only for float decoding on an x86 path.
+        CHECK(detail::choose_exact_kernel(ExactFamily::Tiled, fp32, false, n, plan, isa) ==
+              (fp32 && x86 && decoding ? ExactKernel::FusedDecodeFp32 : ExactKernel::Tiled));
+      }
+      for (const bool split : {false, true}) {
+        const ExactKernel k =
+            detail::choose_exact_kernel(ExactFamily::TiledBf16, true, split, n, plan, isa);
+        const ExactKernel expected =
+            x86 && decoding ? (split ? ExactKernel::FusedDecodeFp32 : ExactKernel::FusedDecodeBf16)
+            : decoding      ? ExactKernel::StreamingBf16
+            : x86           ? ExactKernel::Bf16Panels
+                            : ExactKernel::GenericBf16;
+        CHECK(k == expected);
+        // The caller skips the up-front scan of K and V exactly when the fused kernel runs.
+        CHECK(detail::reads_kv_checked(k) == (x86 && decoding));
+        CHECK(detail::bf16_decode_fused(n, plan, isa) == (x86 && decoding));
+      }
+    }
+  }
+}
