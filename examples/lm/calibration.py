@@ -16,6 +16,8 @@ Rows (each one a weight file and how its attention runs):
                                 attention output drawn as mean + sqrt(variance) * eps per token
                                 and value column (effattn's posterior variance); confidence =
                                 the predictive's maximum; AUROC also by the negative variance
+  softmax (seed 2)              the second softmax encoder (train.py --seed-offset 1,
+                                weights/encoder-seed2.eflm): the seed-to-seed yardstick
   <model>-<method>              an encoder trained with an effattn method (train.py
                                 --attention), run with it
   trained with kep_svgp         the encoder trained with KEP-SVGP's learned layer in its last
@@ -255,11 +257,20 @@ def render(result, doc):
     write_between_markers(doc, "calibration", lines)
 
 
+SEED2 = "seed2"  # --trained entry for the second softmax seed (weights/encoder-seed2.eflm)
+
+
+def row_name(method):
+    """The table row of an encoder in --trained (its name starts with this)."""
+    return "softmax (seed 2)" if method == SEED2 else f"trained with {method}"
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--weights", default=os.path.join(HERE, "weights"))
-    ap.add_argument("--trained", default="performer,eva,kep_svgp",
-                    help="encoders trained with these methods, when their weights exist")
+    ap.add_argument("--trained", default="seed2,performer,eva,kep_svgp",
+                    help="encoders trained with these methods (seed2: the second softmax "
+                    "seed), when their weights exist")
     ap.add_argument("--samples", type=int, default=8, help="KEP-SVGP predictive samples")
     ap.add_argument("--out")
     ap.add_argument("--render", metavar="DOC")
@@ -281,7 +292,7 @@ def main():
     if args.update:
         with open(args.out) as f:
             old = json.load(f)
-        redo = tuple(f"trained with {m}" for m in args.trained.split(",") if m)
+        redo = tuple(row_name(m) for m in args.trained.split(",") if m)
         rows = [r for r in old["rows"] if not r["name"].startswith(redo)]
         tf = np.zeros(old["fit_bytes"])
         ts = np.zeros(old["score_bytes"])
@@ -303,7 +314,7 @@ def main():
         if not os.path.exists(path):
             print(f"calibration: {path} not found; row skipped", flush=True)
             continue
-        model = load(path, method)
+        model = load(path, "softmax" if method == SEED2 else method)
         if method == "kep_svgp":  # the paper's predictive: stochastic passes, averaged
             pm, tm, um = predictions(model, score, kep_samples=args.samples)
             rows.append({"name": f"trained with kep_svgp (last layer, rank "
@@ -311,7 +322,8 @@ def main():
                          "metrics": metrics(pm, tm, um)})
             continue
         pm, tm, _ = predictions(model, score)
-        rows.append({"name": f"trained with {method}", "metrics": metrics(pm, tm)})
+        rows.append({"name": row_name(method), "metrics": metrics(pm, tm)})
+    rows.sort(key=lambda r: not r["name"].startswith("softmax"))  # the softmax models first
     for r in rows:
         print(r["name"], json.dumps(r["metrics"]), flush=True)
     result = {"what": "encoder masked-byte calibration", "context": CONTEXT, "bins": BINS,
