@@ -148,7 +148,9 @@ def render(res, doc):
              "| target |",
              "|---|---|---|---|---|---|"]
     for r in res["rows"]:
-        what = r["what"].replace("<", "`<", 1).replace(">,", ">`,", 1)
+        # Headers and functors as code (a bare <...> would read as an HTML tag in Doxygen).
+        what = re.sub(r"(<[\w/.]+>)", r"`\1`", r["what"], count=1)
+        what = re.sub(r", ([A-Z]\w+(?:<\w+>)?)", r", `\1`", what)
         lines.append(f"| {what} | {r['mode']} | {r['seconds']:.1f} | {r['ratio']:.1f} | "
                      f"{r['peak_mb']:.0f} | {status(r)} |")
     write_between_markers(doc, "compile-cost", lines)
