@@ -11,6 +11,8 @@
 
 #include <cstdio>
 
+#include "inputs.hpp"
+
 namespace {
 
 template <typename Functor>
@@ -29,14 +31,8 @@ bool check(const char* name, const Eigen::MatrixXf& Q, const Eigen::MatrixXf& K,
 
 int main() {
   const Eigen::Index n = 256, d = 32;
-  Eigen::MatrixXf Q(n, d), K(n, d), V(n, d);
-  for (Eigen::Index j = 0; j < d; ++j)
-    for (Eigen::Index i = 0; i < n; ++i) {
-      const float t = static_cast<float>(i) / static_cast<float>(n);
-      Q(i, j) = std::sin(3.0f * t * static_cast<float>(j + 1));
-      K(i, j) = std::cos(2.0f * t * static_cast<float>(j + 2));
-      V(i, j) = std::sin(5.0f * t + static_cast<float>(j));
-    }
+  const ConsumerInputs in = consumer_inputs(n, d);
+  const Eigen::MatrixXf &Q = in.Q, &K = in.K, &V = in.V;
   const Eigen::MatrixXf exact = effattn::NaiveAttentionf()(Q, K, V);
   effattn::ExactAttentionf::Options causal;
   causal.causal = true;

@@ -37,16 +37,12 @@ using Functor = effattn::MultiHead<effattn::ExactAttentionf>;
 #include <cmath>
 #include <cstdio>
 
+#include "inputs.hpp"
+
 int main() {
   const Eigen::Index n = 256, d = 32;
-  Eigen::MatrixXf Q(n, d), K(n, d), V(n, d);
-  for (Eigen::Index j = 0; j < d; ++j)
-    for (Eigen::Index i = 0; i < n; ++i) {
-      const float t = static_cast<float>(i) / static_cast<float>(n);
-      Q(i, j) = std::sin(3.0f * t * static_cast<float>(j + 1));
-      K(i, j) = std::cos(2.0f * t * static_cast<float>(j + 2));
-      V(i, j) = std::sin(5.0f * t + static_cast<float>(j));
-    }
+  const ConsumerInputs in = consumer_inputs(n, d);
+  const Eigen::MatrixXf &Q = in.Q, &K = in.K, &V = in.V;
   const Functor f;
 #if defined(EFFATTN_CONSUMER_MULTI_HEAD)
   const Eigen::MatrixXf out = f.compute(Q, K, V).output;  // one head: the default layout
