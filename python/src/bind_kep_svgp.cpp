@@ -49,9 +49,9 @@ Vector<S> vector_arg(const py::object& o, const char* name, const std::string& f
 }
 
 template <typename S>
-kepsvgp::VariationalParams<S> vp_arg(const py::object& m_u, const py::object& l_u,
+kep_svgp::VariationalParams<S> vp_arg(const py::object& m_u, const py::object& l_u,
                                      const std::string& fn) {
-  kepsvgp::VariationalParams<S> vp;
+  kep_svgp::VariationalParams<S> vp;
   vp.m_u = result_matrix<S>(m_u, "m_u", fn);
   const py::array l = py::array::ensure(l_u);
   if (!l || l.ndim() != 3)
@@ -61,9 +61,9 @@ kepsvgp::VariationalParams<S> vp_arg(const py::object& m_u, const py::object& l_
   return vp;
 }
 
-kepsvgp::LearnedMerge merge_arg(const std::string& merge, const std::string& fn) {
-  if (merge == "addition") return kepsvgp::LearnedMerge::Addition;
-  if (merge == "e_only") return kepsvgp::LearnedMerge::EOnly;
+kep_svgp::LearnedMerge merge_arg(const std::string& merge, const std::string& fn) {
+  if (merge == "addition") return kep_svgp::LearnedMerge::Addition;
+  if (merge == "e_only") return kep_svgp::LearnedMerge::EOnly;
   throw py::value_error(fn + ": merge must be 'addition' or 'e_only'; got '" + merge + "'");
 }
 
@@ -73,16 +73,16 @@ py::tuple kep_svgp_layer(const py::object& q, const py::object& k, const py::obj
   const std::string fn = "effattn.kep_svgp_layer";
   auto run = [&](auto tag) {
     using S = decltype(tag);
-    kepsvgp::LearnedLayer<S> layer;
+    kep_svgp::LearnedLayer<S> layer;
     layer.W_e = result_matrix<S>(w_e, "w_e", fn);
     layer.W_r = result_matrix<S>(w_r, "w_r", fn);
     layer.lambda = vector_arg<S>(lam, "lam", fn);
     layer.vp = vp_arg<S>(m_u, l_u, fn);
     const Matrix<S> Q = result_matrix<S>(q, "q", fn), K = result_matrix<S>(k, "k", fn);
-    kepsvgp::LearnedPosterior<S> r;
+    kep_svgp::LearnedPosterior<S> r;
     {
       py::gil_scoped_release release;
-      r = kepsvgp::learned_layer<S>(Q, K, layer, merge_arg(merge, fn));
+      r = kep_svgp::learned_layer<S>(Q, K, layer, merge_arg(merge, fn));
     }
     return py::make_tuple(own_matrix(std::move(r.mean)), own_matrix(std::move(r.variance)),
                           own_matrix(std::move(r.E)), own_matrix(std::move(r.R)));
@@ -94,9 +94,9 @@ py::tuple kep_svgp_layer(const py::object& q, const py::object& k, const py::obj
 double kep_svgp_kl(const py::object& lam, const py::object& m_u, const py::object& l_u) {
   const std::string fn = "effattn.kep_svgp_kl";
   if (any_f64({&lam, &m_u, &l_u}))
-    return kepsvgp::kl_divergence<double>(vector_arg<double>(lam, "lam", fn),
+    return kep_svgp::kl_divergence<double>(vector_arg<double>(lam, "lam", fn),
                                           vp_arg<double>(m_u, l_u, fn));
-  return kepsvgp::kl_divergence<float>(vector_arg<float>(lam, "lam", fn),
+  return kep_svgp::kl_divergence<float>(vector_arg<float>(lam, "lam", fn),
                                        vp_arg<float>(m_u, l_u, fn));
 }
 
@@ -106,10 +106,10 @@ double kep_svgp_ksvd_loss(const py::object& e, const py::object& r, const py::ob
   const std::string fn = "effattn.kep_svgp_ksvd_loss";
   if (reduction != "mean" && reduction != "sum")
     throw py::value_error(fn + ": reduction must be 'mean' or 'sum'; got '" + reduction + "'");
-  const auto red = reduction == "mean" ? kepsvgp::Reduction::Mean : kepsvgp::Reduction::Sum;
+  const auto red = reduction == "mean" ? kep_svgp::Reduction::Mean : kep_svgp::Reduction::Sum;
   auto run = [&](auto tag) {
     using S = decltype(tag);
-    return kepsvgp::ksvd_loss<S>(result_matrix<S>(e, "e", fn), result_matrix<S>(r, "r", fn),
+    return kep_svgp::ksvd_loss<S>(result_matrix<S>(e, "e", fn), result_matrix<S>(r, "r", fn),
                                  vector_arg<S>(lam, "lam", fn), result_matrix<S>(w_e, "w_e", fn),
                                  result_matrix<S>(w_r, "w_r", fn), red);
   };
@@ -125,7 +125,7 @@ void bind_kep_svgp_layer(py::module_& m) {
       py::arg("lam"), py::arg("m_u"), py::arg("l_u"), py::arg("merge") = "addition",
       R"doc(kep_svgp_layer(q, k, w_e, w_r, lam, m_u, l_u, merge='addition') -> (mean, variance, e, r)
 
-KEP-SVGP's learned layer for one head (C++ kepsvgp::learned_layer): q (n, d), k (m, d), primal
+KEP-SVGP's learned layer for one head (C++ kep_svgp::learned_layer): q (n, d), k (m, d), primal
 projections w_e, w_r (d, s), learned singular values lam (s,) > 0, q(u) as m_u (s, dv) and
 lower-triangular factors l_u (dv, s, s). With the cosine feature map, E = phi(q) w_e,
 R = phi(k) w_r, F = E + R ('addition', n = m) or E ('e_only'): mean F diag(1/lam) m_u and
@@ -135,13 +135,13 @@ any input is, float32 otherwise. effattn.torch.kep_svgp_layer is its differentia
         R"doc(kep_svgp_kl(lam, m_u, l_u) -> float
 
 KL(q(u) || p(u)) of KEP-SVGP (eq. 21) with p(u_c) = N(0, diag(lam)^2), q(u_c) = N(m_c, L_c L_c^T),
-summed over the dv columns (C++ kepsvgp::kl_divergence, accumulated in double).)doc");
+summed over the dv columns (C++ kep_svgp::kl_divergence, accumulated in double).)doc");
   m.def("kep_svgp_ksvd_loss", &kep_svgp_ksvd_loss, py::arg("e"), py::arg("r"), py::arg("lam"),
         py::arg("w_e"), py::arg("w_r"), py::arg("reduction") = "sum",
         R"doc(kep_svgp_ksvd_loss(e, r, lam, w_e, w_r, reduction='sum') -> float
 
 KEP-SVGP's KSVD regulariser J^2 (eq. 11; 'mean' divides the two token sums by the token counts,
-as the official code does) (C++ kepsvgp::ksvd_loss).)doc");
+as the official code does) (C++ kep_svgp::ksvd_loss).)doc");
 }
 
 }  // namespace python

@@ -25,7 +25,7 @@ def random_layer(gen, d, s, dv, dtype):
 
 
 def numpy_layer(q, k, w_e, w_r, lam, m_u, l_u, merge):
-    """The formula of kepsvgp::learned_layer in float64 NumPy, token by token."""
+    """The formula of kep_svgp::learned_layer in float64 NumPy, token by token."""
     q, k, w_e, w_r, lam, m_u, l_u = (np.asarray(x, dtype=np.float64)
                                      for x in (q, k, w_e, w_r, lam, m_u, l_u))
     mean = np.zeros((q.shape[0], m_u.shape[1]))
