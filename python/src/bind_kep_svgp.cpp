@@ -50,7 +50,7 @@ Vector<S> vector_arg(const py::object& o, const char* name, const std::string& f
 
 template <typename S>
 kep_svgp::VariationalParams<S> vp_arg(const py::object& m_u, const py::object& l_u,
-                                     const std::string& fn) {
+                                      const std::string& fn) {
   kep_svgp::VariationalParams<S> vp;
   vp.m_u = result_matrix<S>(m_u, "m_u", fn);
   const py::array l = py::array::ensure(l_u);
@@ -95,9 +95,9 @@ double kep_svgp_kl(const py::object& lam, const py::object& m_u, const py::objec
   const std::string fn = "effattn.kep_svgp_kl";
   if (any_f64({&lam, &m_u, &l_u}))
     return kep_svgp::kl_divergence<double>(vector_arg<double>(lam, "lam", fn),
-                                          vp_arg<double>(m_u, l_u, fn));
+                                           vp_arg<double>(m_u, l_u, fn));
   return kep_svgp::kl_divergence<float>(vector_arg<float>(lam, "lam", fn),
-                                       vp_arg<float>(m_u, l_u, fn));
+                                        vp_arg<float>(m_u, l_u, fn));
 }
 
 double kep_svgp_ksvd_loss(const py::object& e, const py::object& r, const py::object& lam,
@@ -110,8 +110,8 @@ double kep_svgp_ksvd_loss(const py::object& e, const py::object& r, const py::ob
   auto run = [&](auto tag) {
     using S = decltype(tag);
     return kep_svgp::ksvd_loss<S>(result_matrix<S>(e, "e", fn), result_matrix<S>(r, "r", fn),
-                                 vector_arg<S>(lam, "lam", fn), result_matrix<S>(w_e, "w_e", fn),
-                                 result_matrix<S>(w_r, "w_r", fn), red);
+                                  vector_arg<S>(lam, "lam", fn), result_matrix<S>(w_e, "w_e", fn),
+                                  result_matrix<S>(w_r, "w_r", fn), red);
   };
   if (any_f64({&e, &r, &lam, &w_e, &w_r})) return run(double{});
   return run(float{});
