@@ -216,7 +216,7 @@ TEST_CASE("bf16 fused decoding kernel: 1-16 rows, tails, rescales, bias, bf16 in
             INFO("path " << detail::isa_name(isa) << ", n = " << n << ", d = " << d << ", m = " << m
                          << ", causal = " << causal);
             const Bf16Out r = run_path<float>(isa, w.Q, w.K, w.V, nullptr, causal);
-            REQUIRE(detail::bf16_decode_fused(n, r.plan, isa));
+            REQUIRE(detail::fused_decode_applies(n, r.plan, isa));
             check_against(r, ref, w.V);
             check_against(run_path<float>(isa, w.Q, w.K, w.V, bias.data(), causal), bref, w.V);
             // bf16 inputs: the same values give the same bits.

@@ -540,7 +540,7 @@ TEST_CASE("choose_exact_kernel: the decision table of the single-head exact kern
         CHECK(k == expected);
         // The caller skips the up-front scan of K and V exactly when the fused kernel runs.
         CHECK(detail::reads_kv_checked(k) == (x86 && decoding));
-        CHECK(detail::bf16_decode_fused(n, plan, isa) == (x86 && decoding));
+        CHECK(detail::fused_decode_applies(n, plan, isa) == (x86 && decoding));
       }
     }
   }

@@ -34,19 +34,11 @@
 namespace effattn {
 namespace detail {
 
-/// The most queries of a decoding call (one query block): the fused kernel on the x86 paths
-/// (`kFusedDecodeWideRows` rows), `StreamingBf16Kernel` on the generic path.
-constexpr Index kBf16StreamingMaxQueries = kExactDecodeMaxQueries;
-
-/// Whether `tiled_attention_bf16` runs the fused decoding kernel (`fused_decode_run`) for n
-/// queries with `plan` on path `isa` (`fused_decode_applies`, exact_dispatch.hpp).
-inline bool bf16_decode_fused(Index n, const TilePlan& plan, Isa isa) noexcept {
 #if EFFATTN_BF16_X86
-  static_assert(kFusedDecodeWideRows == kExactDecodeMaxQueries, "one bound for decoding calls");
-  static_assert(kFusedDecodeFp32MaxRows == kExactDecodeMaxQueries, "one bound for decoding calls");
+// The fused decoding kernel's forms take as many queries as `choose_exact_kernel` gives them.
+static_assert(kFusedDecodeWideRows == kExactDecodeMaxQueries, "one bound for decoding calls");
+static_assert(kFusedDecodeFp32MaxRows == kExactDecodeMaxQueries, "one bound for decoding calls");
 #endif
-  return fused_decode_applies(n, plan, isa);
-}
 
 /// The tile plan of the bf16 kernels: as `plan_tiles`, with block sizes that are multiples of 32
 /// (a user's `block_q` / `block_k` is rounded up; a block covering all rows or keys may be
@@ -59,7 +51,7 @@ inline TilePlan plan_bf16_tiles(Index n, Index m, Index d, Index dv, Index block
   const Index bq = block_q > 0 ? round_up(block_q, 32) : 256;
   // Decoding streams K and V column by column: 1024-key tiles read 4 KiB (a page) per column
   // and key tile, which the prefetchers follow (256-key tiles reached 20% of the bandwidth).
-  const Index bk = block_k > 0 ? round_up(block_k, 32) : n <= kBf16StreamingMaxQueries ? 1024 : 256;
+  const Index bk = block_k > 0 ? round_up(block_k, 32) : n <= kExactDecodeMaxQueries ? 1024 : 256;
   return plan_tiles(n, m, d, dv, 2, bq, bk);
 }
 
@@ -409,7 +401,7 @@ inline void split_bf16_operands(const Eigen::Ref<const Matrix<float>>& Q,
 /// bf16 exact attention: out (n x dv) and lse (n) for Q, K, V of scalar In (float or
 /// Eigen::bfloat16), converted to bf16 once (scale folded into Q) and multiplied on path `isa`
 /// (which must be available: `isa_available(isa)`). Inputs are validated by the caller, except
-/// the finiteness of K and V when `bf16_decode_fused` (the kernel checks them as it reads them).
+/// the finiteness of K and V when `fused_decode_applies` (the kernel checks them as it reads them).
 /// O((n + m) d) packed panels plus the workspaces of `bf16_attention_run`. \returns false if the
 /// fused decoding kernel saw a non-finite score (a non-finite key), true otherwise. `split`
 /// (float inputs; ignored for bf16 ones): the split score product of `Bf16Scores::Split`, on

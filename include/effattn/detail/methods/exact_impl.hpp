@@ -100,11 +100,11 @@ bool bf16_split_scores(const ExactOptions& opts, Index d) noexcept {
 
 /// The TiledBf16 kernel on the path `selected_isa()` for inputs of scalar In (float or
 /// Eigen::bfloat16): validates them (`method` names the caller), fills r's output, lse, block
-/// sizes and info. When the fused decoding kernel runs (`bf16_decode_fused`), K and V are not
-/// scanned beforehand: that scan read the cache a second time and took as long as the kernel
-/// (measured: 15% of a decoding call's profile against 19% for the kernel). The kernel checks
-/// every raw score (a non-finite key makes its score non-finite, the queries being finite), a
-/// non-finite value makes the output non-finite (0 * inf is NaN), and only then are K and V
+/// sizes and info. When the fused decoding kernel runs (`reads_kv_checked` of the chosen kernel), K
+/// and V are not scanned beforehand: that scan read the cache a second time and took as long as the
+/// kernel (measured: 15% of a decoding call's profile against 19% for the kernel). The kernel
+/// checks every raw score (a non-finite key makes its score non-finite, the queries being finite),
+/// a non-finite value makes the output non-finite (0 * inf is NaN), and only then are K and V
 /// scanned, so the same `invalid_argument` is thrown.
 template <typename In>
 void exact_bf16(const Eigen::Ref<const Matrix<In>>& Q, const Eigen::Ref<const Matrix<In>>& K,
